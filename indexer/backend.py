@@ -1,0 +1,83 @@
+"""The index backend interface: one contract, two implementations (memory, Redis).
+
+The index maps ``(model, block key)`` to the workers that hold the block and in which tiers. Writes
+come as per-batch operation lists (so Redis can pipeline them); a lookup walks a request's key chain
+and answers, per worker, the longest run of consecutive blocks from the start and how many of them
+sit in each tier. Backends are behaviourally identical; one shared test suite proves it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+OpKind = Literal["store", "remove", "clear"]
+
+
+@dataclass(slots=True, frozen=True)
+class IndexOp:
+    """One change to a worker's entries: add or remove a tier bit on keys, or drop everything."""
+
+    kind: OpKind
+    keys: Sequence[int] = ()
+    tier: int = 0
+
+
+@dataclass(slots=True)
+class WorkerMatch:
+    """How much of a request's prefix one worker holds.
+
+    ``blocks`` is the longest run of consecutive blocks from the start present in any tier;
+    ``gpu``/``cpu``/``storage`` split that run by the fastest tier each block can be loaded from,
+    and ``remote`` counts the blocks of the run held only in REMOTE-locality tiers.
+    """
+
+    worker_id: str
+    blocks: int = 0
+    gpu: int = 0
+    cpu: int = 0
+    storage: int = 0
+    remote: int = 0
+
+
+@dataclass(slots=True)
+class WorkerIndexStats:
+    worker_id: str
+    model: str
+    blocks: int = 0
+    by_tier: dict[str, int] = field(default_factory=dict)
+
+
+class IndexBackend(ABC):
+    """Where block locations are kept. All methods are coroutines so Redis and memory share a shape."""
+
+    name: str = "abstract"
+
+    @abstractmethod
+    async def apply(self, model: str, worker_id: str, ops: Sequence[IndexOp]) -> None:
+        """Apply one event batch's operations for one worker, in order."""
+
+    @abstractmethod
+    async def lookup(self, model: str, keys: Sequence[int]) -> dict[str, WorkerMatch]:
+        """Per worker holding at least the first block: its match. Workers with 0 blocks are omitted."""
+
+    @abstractmethod
+    async def purge_worker(self, worker_id: str) -> None:
+        """Forget every block of a worker (all models), cheaply: no scan of the key space."""
+
+    @abstractmethod
+    async def block_workers(self, model: str, key: int) -> dict[str, int]:
+        """Which workers hold one block, with their tier bits."""
+
+    @abstractmethod
+    async def worker_stats(self) -> list[WorkerIndexStats]:
+        """Blocks per worker, model and tier."""
+
+    async def ping(self) -> bool:
+        """True when the backend can serve lookups right now."""
+        return True
+
+    async def close(self) -> None:
+        """Release connections."""

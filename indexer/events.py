@@ -1,0 +1,283 @@
+"""vLLM KV-event wire format: decoding (for the indexer) and encoding (for the simulated workers).
+
+vLLM publishes 3-frame ZMQ messages ``[topic, seq (8 bytes big-endian), payload]`` where the payload is
+a msgpack array ``[ts, events, data_parallel_rank]``. Since mid-2026 each event is a map with a
+``"type"`` key; older engines send positional arrays ``["BlockStored", f1, f2, ...]`` with trailing
+defaults omitted. Both are accepted; unknown keys and unknown event types are ignored.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import msgspec
+
+BlockHash = int | bytes
+
+#: Positional field order of the array form, as vLLM's msgspec structs declare them.
+STORED_FIELDS = (
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+    "extra_keys",
+    "group_idx",
+    "kv_cache_spec_kind",
+    "kv_cache_spec_sliding_window",
+    "locality",
+)
+REMOVED_FIELDS = ("block_hashes", "medium", "group_idx", "locality")
+
+#: Sequence number vLLM's replay socket sends to mark the end of a replay.
+REPLAY_END_SEQ = b"\xff" * 8
+
+#: Hostile-input bounds: a batch or block list larger than this is refused as malformed.
+MAX_EVENTS_PER_BATCH = 100_000
+MAX_BLOCKS_PER_EVENT = 1_000_000
+
+
+class EventDecodeError(ValueError):
+    """The payload is not a valid KV-event batch. ``reason`` is a short label for metrics."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+class BlockStored(msgspec.Struct, kw_only=True, gc=False):
+    """Blocks newly cached on a worker, in chain order; ``token_ids`` covers all of them."""
+
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None = None
+    token_ids: list[int] = []
+    block_size: int = 0
+    lora_id: int | None = None
+    medium: str = "GPU"
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int = 0
+    locality: str = "LOCAL"
+
+    @property
+    def is_placeholder(self) -> bool:
+        """Offloading connectors announce CPU/STORAGE copies without tokens (``block_size`` 0)."""
+        return self.block_size <= 0 or not self.token_ids
+
+
+class BlockRemoved(msgspec.Struct, kw_only=True, gc=False):
+    """Blocks evicted from one medium of a worker."""
+
+    block_hashes: list[BlockHash]
+    medium: str = "GPU"
+    group_idx: int = 0
+    locality: str = "LOCAL"
+
+
+class AllBlocksCleared(msgspec.Struct, kw_only=True, gc=False):
+    """The worker's prefix cache was reset: forget everything it had."""
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class EventBatch(msgspec.Struct, gc=False):
+    """One scheduler step's events from one data-parallel rank."""
+
+    ts: float
+    events: list[KVEvent]
+    dp_rank: int = 0
+    #: Events of unknown type that were skipped (counted by the indexer, never an error).
+    skipped: int = 0
+
+
+_decoder = msgspec.msgpack.Decoder()
+
+
+def _check_hash(value: Any, what: str) -> BlockHash:
+    if isinstance(value, bool) or not isinstance(value, int | bytes):
+        raise EventDecodeError("bad_field", f"{what} must be int or bytes, got {type(value).__name__}")
+    return value
+
+
+def _check_hashes(value: Any) -> list[BlockHash]:
+    if not isinstance(value, list):
+        raise EventDecodeError("bad_field", "block_hashes must be a list")
+    if len(value) > MAX_BLOCKS_PER_EVENT:
+        raise EventDecodeError("too_large", f"{len(value)} block hashes")
+    for item in value:
+        _check_hash(item, "block hash")
+    return value
+
+
+def _str_or(value: Any, default: str, what: str) -> str:
+    if value is None:
+        return default
+    if not isinstance(value, str):
+        raise EventDecodeError("bad_field", f"{what} must be a string")
+    return value
+
+
+def _int_or(value: Any, default: int, what: str) -> int:
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise EventDecodeError("bad_field", f"{what} must be an integer")
+    return value
+
+
+def _stored(fields: dict[str, Any]) -> BlockStored:
+    hashes = _check_hashes(fields.get("block_hashes"))
+    parent = fields.get("parent_block_hash")
+    if parent is not None:
+        parent = _check_hash(parent, "parent_block_hash")
+    tokens = fields.get("token_ids") or []
+    if not isinstance(tokens, list):
+        raise EventDecodeError("bad_field", "token_ids must be a list")
+    block_size = _int_or(fields.get("block_size"), 0, "block_size")
+    if block_size < 0 or block_size > 1 << 20:
+        raise EventDecodeError("bad_field", f"block_size {block_size} out of range")
+    if block_size and tokens and len(tokens) > len(hashes) * block_size:
+        raise EventDecodeError("bad_field", "more token_ids than blocks can hold")
+    extra = fields.get("extra_keys")
+    if extra is not None and not isinstance(extra, list):
+        raise EventDecodeError("bad_field", "extra_keys must be a list")
+    lora_name = fields.get("lora_name")
+    if lora_name is not None and not isinstance(lora_name, str):
+        raise EventDecodeError("bad_field", "lora_name must be a string")
+    return BlockStored(
+        block_hashes=hashes,
+        parent_block_hash=parent,
+        token_ids=tokens,
+        block_size=block_size,
+        lora_id=fields.get("lora_id") if isinstance(fields.get("lora_id"), int) else None,
+        medium=_str_or(fields.get("medium"), "GPU", "medium").upper(),
+        lora_name=lora_name,
+        extra_keys=extra,
+        group_idx=_int_or(fields.get("group_idx"), 0, "group_idx"),
+        locality=_str_or(fields.get("locality"), "LOCAL", "locality").upper(),
+    )
+
+
+def _removed(fields: dict[str, Any]) -> BlockRemoved:
+    return BlockRemoved(
+        block_hashes=_check_hashes(fields.get("block_hashes")),
+        medium=_str_or(fields.get("medium"), "GPU", "medium").upper(),
+        group_idx=_int_or(fields.get("group_idx"), 0, "group_idx"),
+        locality=_str_or(fields.get("locality"), "LOCAL", "locality").upper(),
+    )
+
+
+def _event(raw: Any) -> KVEvent | None:
+    """One event in map or array form; None for an unknown type."""
+    if isinstance(raw, dict):
+        kind = raw.get("type")
+        fields = raw
+    elif isinstance(raw, list) and raw and isinstance(raw[0], str):
+        kind = raw[0]
+        names = STORED_FIELDS if kind == "BlockStored" else REMOVED_FIELDS
+        fields = dict(zip(names, raw[1:], strict=False))
+    else:
+        raise EventDecodeError("bad_event", f"event must be a map or a tagged array, got {type(raw).__name__}")
+    if kind == "BlockStored":
+        return _stored(fields)
+    if kind == "BlockRemoved":
+        return _removed(fields)
+    if kind == "AllBlocksCleared":
+        return AllBlocksCleared()
+    return None
+
+
+def decode_batch(payload: bytes) -> EventBatch:
+    """Decode one payload frame. Raises :class:`EventDecodeError` on anything malformed."""
+    try:
+        raw = _decoder.decode(payload)
+    except (msgspec.DecodeError, ValueError) as exc:
+        raise EventDecodeError("not_msgpack", str(exc)[:200]) from None
+    if not isinstance(raw, list) or len(raw) < 2:
+        raise EventDecodeError("bad_batch", "payload must be an array [ts, events, dp_rank]")
+    ts, raw_events = raw[0], raw[1]
+    if isinstance(ts, bool) or not isinstance(ts, int | float):
+        raise EventDecodeError("bad_batch", "ts must be a number")
+    if not isinstance(raw_events, list):
+        raise EventDecodeError("bad_batch", "events must be an array")
+    if len(raw_events) > MAX_EVENTS_PER_BATCH:
+        raise EventDecodeError("too_large", f"{len(raw_events)} events in one batch")
+    dp_rank = raw[2] if len(raw) > 2 and raw[2] is not None else 0
+    if isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or not 0 <= dp_rank < 4096:
+        raise EventDecodeError("bad_batch", "data_parallel_rank must be a small non-negative integer")
+    events: list[KVEvent] = []
+    skipped = 0
+    for item in raw_events:
+        event = _event(item)
+        if event is None:
+            skipped += 1
+        else:
+            events.append(event)
+    return EventBatch(ts=float(ts), events=events, dp_rank=dp_rank, skipped=skipped)
+
+
+def decode_seq(frame: bytes) -> int:
+    """The 8-byte big-endian sequence number of a message."""
+    if len(frame) != 8:
+        raise EventDecodeError("bad_seq", f"sequence frame has {len(frame)} bytes, expected 8")
+    return struct.unpack(">Q", frame)[0]
+
+
+def encode_seq(seq: int) -> bytes:
+    return struct.pack(">Q", seq)
+
+
+EventForm = Literal["map", "array"]
+
+
+def _event_fields(event: KVEvent) -> tuple[str, list[tuple[str, Any]]]:
+    if isinstance(event, BlockStored):
+        values = [
+            ("block_hashes", event.block_hashes),
+            ("parent_block_hash", event.parent_block_hash),
+            ("token_ids", event.token_ids),
+            ("block_size", event.block_size),
+            ("lora_id", event.lora_id),
+            ("medium", event.medium),
+            ("lora_name", event.lora_name),
+            ("extra_keys", event.extra_keys),
+            ("group_idx", event.group_idx),
+            ("kv_cache_spec_kind", "full_attention"),
+            ("kv_cache_spec_sliding_window", None),
+            ("locality", event.locality),
+        ]
+        return "BlockStored", values
+    if isinstance(event, BlockRemoved):
+        values = [
+            ("block_hashes", event.block_hashes),
+            ("medium", event.medium),
+            ("group_idx", event.group_idx),
+            ("locality", event.locality),
+        ]
+        return "BlockRemoved", values
+    return "AllBlocksCleared", []
+
+
+def encode_batch(
+    ts: float, events: Sequence[KVEvent], dp_rank: int = 0, *, form: EventForm = "map"
+) -> bytes:
+    """Encode a batch exactly as vLLM publishes it (map form by default, array form for old engines)."""
+    encoded: list[Any] = []
+    for event in events:
+        kind, values = _event_fields(event)
+        if form == "map":
+            item: dict[str, Any] = {"type": kind}
+            item.update(values)
+            encoded.append(item)
+        else:
+            # Old engines omit trailing defaults (None) in the positional form.
+            positional = [value for _, value in values]
+            while positional and positional[-1] is None:
+                positional.pop()
+            encoded.append([kind, *positional])
+    return msgspec.msgpack.encode([ts, encoded, dp_rank])

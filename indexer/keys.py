@@ -1,0 +1,93 @@
+"""kvroute's own block keys: one 64-bit chain over token ids, for events and requests alike.
+
+``key[i] = xxh3_64(key[i-1] || tokens of block i || extra keys of block i)`` with ``key[-1]`` the
+model's root key. vLLM's own block hashes are random per process unless every engine shares
+``PYTHONHASHSEED``, so the index never depends on them: it recomputes this chain from the tokens the
+events carry and keeps, per worker, an alias map from vLLM's hash to ours.
+
+Extra keys follow vLLM's placement: the LoRA name on every block, the tenant's ``cache_salt`` on the
+first block only, so two tenants' identical prompts never share a key.
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import xxhash
+
+_hash = xxhash.xxh3_64_intdigest
+_LITTLE = sys.byteorder == "little"
+_MASK = (1 << 64) - 1
+
+
+def root_key(model: str) -> int:
+    """The chain's starting point; folding in the model keeps two models' prefixes apart."""
+    return _hash(b"kvroute/v1\x00" + model.encode())
+
+
+def token_bytes(tokens: Sequence[int]) -> bytes:
+    """Little-endian uint32 bytes of ``tokens`` (one conversion per event or request, not per block)."""
+    packed = array("I", tokens)
+    if not _LITTLE:
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def extra_bytes(extra: Any) -> bytes:
+    """Canonical bytes of one block's extra keys; empty when there are none."""
+    if not extra:
+        return b""
+    return msgspec.msgpack.encode(list(extra))
+
+
+def request_extra_keys(num_blocks: int, *, lora_name: str | None = None,
+                       cache_salt: str | None = None) -> list[list[Any] | None] | None:
+    """Per-block extra keys of a request, placed exactly as vLLM places them in its events."""
+    if not lora_name and not cache_salt:
+        return None
+    extras: list[list[Any] | None] = []
+    for i in range(num_blocks):
+        item: list[Any] = []
+        if lora_name:
+            item.append(lora_name)
+        if cache_salt and i == 0:
+            item.append(cache_salt)
+        extras.append(item or None)
+    return extras
+
+
+def chain_keys(tokens: Sequence[int], block_size: int, parent: int,
+               extra_keys: Sequence[Any] | None = None, *, max_blocks: int | None = None) -> list[int]:
+    """Keys of the full blocks of ``tokens`` chained from ``parent`` (a partial last block is ignored)."""
+    if block_size <= 0:
+        raise ValueError("block_size must be positive")
+    count = len(tokens) // block_size
+    if max_blocks is not None:
+        count = min(count, max_blocks)
+    if count == 0:
+        return []
+    data = token_bytes(tokens[: count * block_size])
+    step = block_size * 4
+    keys = [0] * count
+    key = parent & _MASK
+    if extra_keys is None:
+        for i in range(count):
+            key = _hash(key.to_bytes(8, "little") + data[i * step:(i + 1) * step])
+            keys[i] = key
+    else:
+        for i in range(count):
+            extra = extra_bytes(extra_keys[i]) if i < len(extra_keys) else b""
+            key = _hash(key.to_bytes(8, "little") + data[i * step:(i + 1) * step] + extra)
+            keys[i] = key
+    return keys
+
+
+def request_keys(tokens: Sequence[int], block_size: int, model: str, *, lora_name: str | None = None,
+                 cache_salt: str | None = None) -> list[int]:
+    """Keys of a request's prompt: what the index is asked about."""
+    extras = request_extra_keys(len(tokens) // block_size, lora_name=lora_name, cache_salt=cache_salt)
+    return chain_keys(tokens, block_size, root_key(model), extras)

@@ -1,0 +1,39 @@
+"""Where a cached block sits: medium (GPU / CPU / STORAGE) and locality (LOCAL / REMOTE) as bits.
+
+One worker can hold the same block in several places at once, so a block's location is a bit set.
+"""
+
+from __future__ import annotations
+
+from enum import IntFlag
+
+
+class Tier(IntFlag):
+    GPU = 1
+    CPU = 2
+    STORAGE = 4
+    GPU_REMOTE = 8
+    CPU_REMOTE = 16
+    STORAGE_REMOTE = 32
+
+
+_MEDIUM_BITS = {"GPU": Tier.GPU, "CPU": Tier.CPU, "STORAGE": Tier.STORAGE, "DISK": Tier.STORAGE}
+LOCAL_MASK = Tier.GPU | Tier.CPU | Tier.STORAGE
+
+
+def tier_bit(medium: str | None, locality: str | None = "LOCAL") -> Tier:
+    """The bit for an event's ``medium`` and ``locality`` (unknown media count as STORAGE)."""
+    bit = _MEDIUM_BITS.get((medium or "GPU").upper(), Tier.STORAGE)
+    if (locality or "LOCAL").upper() == "REMOTE":
+        bit = Tier(bit << 3)
+    return bit
+
+
+def best_medium(bits: int) -> str:
+    """The fastest medium a block can be loaded from: GPU, then CPU, then STORAGE."""
+    bits = bits | (bits >> 3)
+    if bits & Tier.GPU:
+        return "GPU"
+    if bits & Tier.CPU:
+        return "CPU"
+    return "STORAGE"

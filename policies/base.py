@@ -1,0 +1,186 @@
+"""The policy contract: what a policy is told, and the plan it must answer with.
+
+Policies never do I/O. The router gathers the facts (healthy workers and their load, the index's
+prefix matches when the policy asks for them) into a :class:`RouteRequest`, calls
+:meth:`Policy.choose`, and carries the :class:`RoutePlan` out. After the answer it reports a
+:class:`RouteOutcome` so policies that learn (the cost model) can calibrate.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+from kvroute.indexer.backend import WorkerMatch
+
+Role = Literal["both", "prefill", "decode"]
+
+
+@dataclass(slots=True, frozen=True)
+class WorkerView:
+    """A worker as the policy sees it: identity, role and load (never a connection)."""
+
+    id: str
+    role: Role = "both"
+    healthy: bool = True
+    #: Requests the router has in flight to this worker (fresher than scraped metrics).
+    inflight: int = 0
+    #: Scraped from the worker's /metrics (vllm:num_requests_running / _waiting / kv_cache_usage_perc).
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    #: P2P control endpoint (vLLM >= 0.27 TieringOffloadingSpec): host and port peers are told to call.
+    p2p_host: str | None = None
+    p2p_port: int | None = None
+
+    @property
+    def can_prefill(self) -> bool:
+        return self.role in ("both", "prefill")
+
+    @property
+    def can_decode(self) -> bool:
+        return self.role in ("both", "decode")
+
+    @property
+    def load(self) -> int:
+        """Outstanding work: the larger of what we sent and what the engine reports, plus its queue."""
+        return max(self.inflight, self.running) + self.waiting
+
+
+@dataclass(slots=True)
+class RouteRequest:
+    """Facts about one request, gathered by the router before the decision."""
+
+    request_id: str
+    model: str
+    #: Prompt length in tokens, when the router tokenized it (policies that need the index ask for it).
+    prompt_tokens: int | None = None
+    block_size: int = 16
+    #: Index view: per worker, how much of the prompt's prefix it holds (empty when not looked up).
+    matches: dict[str, WorkerMatch] = field(default_factory=dict)
+    #: Prompt text (for text-approximate policies); None when the policy did not ask for it.
+    prompt_text: str | None = None
+    #: Latency class from the X-KVRoute-Latency-Class header or config ("interactive" | "batch" | ...).
+    latency_class: str = "interactive"
+    #: Tokens of the prompt the conversation store can offer from a previous turn's decoder.
+    conversation_reusable_tokens: int = 0
+    conversation_worker: str | None = None
+    #: Length of the prompt that is shared with other requests (system prompt, tools), when known.
+    shared_prefix_tokens: int | None = None
+    max_tokens: int | None = None
+
+
+@dataclass(slots=True)
+class CandidatePlan:
+    """One option the policy weighed, with its estimated cost breakdown (for /admin/route/explain)."""
+
+    prefill: str
+    decode: str
+    kv_source: str | None = None
+    score: float = 0.0
+    breakdown: dict[str, float] = field(default_factory=dict)
+    predicted_cached_tokens: int = 0
+    note: str = ""
+
+
+@dataclass(slots=True)
+class RoutePlan:
+    """The decision: who prefills, who decodes, whether a peer serves cached blocks, and why."""
+
+    prefill: str
+    decode: str
+    kv_source: str | None = None
+    #: Per-request tier policy (vLLM offloading connector): None = do not send the key.
+    kv_load_tiers: list[dict[str, str]] | None = None
+    max_offload_tokens: int | None = None
+    predicted_cached_tokens: int = 0
+    predicted_ttft_s: float | None = None
+    #: Predicted cached tokens per source tier ("GPU", "CPU", "STORAGE", "REMOTE").
+    predicted_by_tier: dict[str, int] = field(default_factory=dict)
+    #: Use the conversation store's kv_transfer_params from the previous turn.
+    reuse_conversation: bool = False
+    reason: str = ""
+    breakdown: dict[str, float] = field(default_factory=dict)
+    candidates: list[CandidatePlan] = field(default_factory=list)
+    policy: str = ""
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.prefill != self.decode
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "policy": self.policy,
+            "prefill": self.prefill,
+            "decode": self.decode,
+            "kv_source": self.kv_source,
+            "kv_load_tiers": self.kv_load_tiers,
+            "max_offload_tokens": self.max_offload_tokens,
+            "predicted_cached_tokens": self.predicted_cached_tokens,
+            "predicted_ttft_s": self.predicted_ttft_s,
+            "predicted_by_tier": self.predicted_by_tier,
+            "reuse_conversation": self.reuse_conversation,
+            "reason": self.reason,
+            "breakdown": self.breakdown,
+            "candidates": [
+                {
+                    "prefill": c.prefill,
+                    "decode": c.decode,
+                    "kv_source": c.kv_source,
+                    "score": c.score,
+                    "breakdown": c.breakdown,
+                    "predicted_cached_tokens": c.predicted_cached_tokens,
+                    "note": c.note,
+                }
+                for c in self.candidates
+            ],
+        }
+
+
+@dataclass(slots=True)
+class RouteOutcome:
+    """What happened: reported back to the policy after the answer (for online calibration)."""
+
+    request_id: str
+    model: str
+    plan: RoutePlan
+    prompt_tokens: int
+    #: usage.prompt_tokens_details.cached_tokens reported by the engine (None when absent).
+    cached_tokens: int | None
+    ttft_s: float | None
+    ok: bool = True
+
+
+class NoWorkerError(RuntimeError):
+    """No worker can take the request (none healthy, or none with the needed role)."""
+
+
+class Policy(ABC):
+    """A routing policy. Subclasses set ``name`` and implement :meth:`choose`."""
+
+    name: ClassVar[str] = ""
+    #: The router tokenizes the prompt and looks the prefix up in the index only for policies asking.
+    needs_index: ClassVar[bool] = False
+    #: The router passes the prompt text (for text-approximate policies).
+    needs_text: ClassVar[bool] = False
+
+    def __init__(self, **options: Any) -> None:
+        self.options = options
+
+    @abstractmethod
+    def choose(self, request: RouteRequest, workers: Sequence[WorkerView]) -> RoutePlan:
+        """Pick a plan among ``workers`` (all healthy and serving the model). Raise NoWorkerError if none fits."""
+
+    def observe(self, outcome: RouteOutcome) -> None:  # noqa: B027 - optional hook
+        """Learn from an outcome. The default ignores it."""
+
+
+def split_roles(workers: Sequence[WorkerView]) -> tuple[list[WorkerView], list[WorkerView]]:
+    """Prefill-capable and decode-capable workers; raises NoWorkerError when either side is empty."""
+    prefill = [w for w in workers if w.healthy and w.can_prefill]
+    decode = [w for w in workers if w.healthy and w.can_decode]
+    if not prefill or not decode:
+        raise NoWorkerError("no healthy worker for this model" if not workers else "no worker with the needed role")
+    return prefill, decode

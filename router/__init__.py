@@ -1,0 +1,1 @@
+"""The router: HTTP surface, forwarding, worker registry, admin REST and the CLI."""

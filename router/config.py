@@ -1,0 +1,205 @@
+"""kvroute's configuration: one validated pydantic model, filled from YAML, KVROUTE_* env and CLI flags.
+
+Precedence: CLI flags > environment > file > defaults. A bad file fails at start with the field's path
+and the problem (see :func:`load_config`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+Role = Literal["both", "prefill", "decode"]
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with a message naming the field."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class WorkerConfig(_Strict):
+    """One vLLM server (or one simulated worker)."""
+
+    url: str = Field(description="Base URL of the worker's OpenAI server, e.g. http://10.0.0.5:8000")
+    id: str | None = Field(default=None, description="Stable name; defaults to host:port of the URL")
+    models: list[str] = Field(default_factory=list, description="Served models; empty = discover from /v1/models")
+    role: Role = "both"
+    kv_events: str | None = Field(
+        default=None,
+        description="ZMQ endpoint of the worker's KV-event publisher. tcp://host:port where vLLM binds "
+        "(its endpoint has * or ::): kvroute connects. Omit when the worker connects to the router's "
+        "shared events_bind socket.",
+    )
+    kv_events_topic: str = Field(default="", description="Topic the worker publishes under")
+    replay: str | None = Field(default=None, description="ZMQ endpoint of the worker's replay ROUTER socket")
+    p2p_host: str | None = Field(default=None, description="Host peers use for P2P lookups (default: URL host)")
+    p2p_port: int = Field(default=5710, ge=1, le=65535, description="P2P control port base (+ DP rank)")
+    dp_size: int = Field(default=1, ge=1, le=1024)
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, value: str) -> str:
+        parts = urlsplit(value)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"must be an http(s) URL with a host, got {value!r}")
+        return value.rstrip("/")
+
+    @model_validator(mode="after")
+    def _defaults(self) -> WorkerConfig:
+        parts = urlsplit(self.url)
+        if self.id is None:
+            self.id = f"{parts.hostname}:{parts.port or (443 if parts.scheme == 'https' else 80)}"
+        if self.p2p_host is None:
+            self.p2p_host = parts.hostname
+        return self
+
+    @property
+    def worker_id(self) -> str:
+        assert self.id is not None
+        return self.id
+
+
+class ModelConfig(_Strict):
+    """Per-model facts the router needs for tokens and for the cost model."""
+
+    name: str
+    tokenizer: str | None = Field(default=None, description="Folder or tokenizer.json for local tokenization")
+    chat_template: str | None = Field(default=None, description="Jinja chat template file (default: from the folder)")
+    block_size: int | None = Field(default=None, ge=1, le=4096, description="Default: learnt from events")
+    #: Cost-model parameters (DESIGN §7); calibrated online from observed TTFTs.
+    prefill_tokens_per_s: float = Field(default=10_000.0, gt=0)
+    attention_coeff_s: float = Field(default=0.0, ge=0, description="Extra prefill seconds per token per 1k context")
+    bytes_per_token: int = Field(default=131_072, gt=0, description="2 x layers x kv_heads x head_dim x dtype")
+
+
+class IndexConfig(_Strict):
+    backend: Literal["memory", "redis"] = "memory"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_prefix: str = "kvr"
+    block_ttl_s: int = Field(default=3600, ge=0, description="Safety-net TTL for entries whose removal was lost")
+    subscribe: bool = Field(default=True, description="Run the event subscribers in this process")
+    events_bind: str | None = Field(
+        default=None, description="Bind one SUB socket here for workers that connect (vLLM tcp://host:port)"
+    )
+    worker_gone_grace_s: float = Field(default=30.0, gt=0)
+
+
+class PoolConfig(_Strict):
+    """How requests are carried out on the pool's KV-transfer protocol."""
+
+    kv_protocol: Literal["none", "p2p", "nixl"] = Field(
+        default="none",
+        description="none: aggregated only; p2p: vLLM>=0.27 offloading tier keys; nixl: two-leg pull P/D",
+    )
+    client_kv_params: Literal["strip", "refuse"] = "strip"
+    conversation_ttl_s: float = Field(default=420.0, gt=0, description="Kept below the decoder's 480 s retention")
+    kv_recompute_threshold: int = Field(default=64, ge=0)
+
+
+class RouterConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    workers: list[WorkerConfig] = Field(default_factory=list)
+    models: list[ModelConfig] = Field(default_factory=list)
+    policy: str = "round_robin"
+    policy_options: dict[str, Any] = Field(default_factory=dict)
+    index: IndexConfig = Field(default_factory=IndexConfig)
+    pool: PoolConfig = Field(default_factory=PoolConfig)
+    admin_token: str | None = None
+    max_body_bytes: int = Field(default=16 * 1024 * 1024, gt=0)
+    connect_timeout_s: float = Field(default=2.0, gt=0)
+    read_timeout_s: float = Field(default=600.0, gt=0)
+    health_interval_s: float = Field(default=2.0, gt=0)
+    metrics_interval_s: float = Field(default=1.0, gt=0)
+    unhealthy_after: int = Field(default=2, ge=1, description="Failed probes before a worker is marked down")
+    healthy_after: int = Field(default=1, ge=1, description="Good probes before a down worker is marked up")
+    debug_headers: bool = Field(default=False, description="Allow X-KVRoute-Debug: 1 to return the chosen plan")
+    log_level: str = "info"
+
+    @model_validator(mode="after")
+    def _unique_ids(self) -> RouterConfig:
+        seen: set[str] = set()
+        for worker in self.workers:
+            if worker.worker_id in seen:
+                raise ValueError(f"duplicate worker id {worker.worker_id!r}")
+            seen.add(worker.worker_id)
+        return self
+
+    def model_config_for(self, name: str) -> ModelConfig:
+        for model in self.models:
+            if model.name == name:
+                return model
+        return ModelConfig(name=name)
+
+
+def _format_errors(exc: ValidationError, source: str) -> str:
+    lines = [f"invalid configuration ({source}):"]
+    for err in exc.errors():
+        where = ".".join(str(part) for part in err["loc"]) or "(root)"
+        lines.append(f"  {where}: {err['msg']}")
+    return "\n".join(lines)
+
+
+def _env_overrides(environ: dict[str, str]) -> dict[str, Any]:
+    """KVROUTE_POLICY=x, KVROUTE_INDEX__BACKEND=redis, KVROUTE_WORKERS='[{"url": ...}]' (JSON values allowed)."""
+    data: dict[str, Any] = {}
+    for name, raw in environ.items():
+        if not name.startswith("KVROUTE_") or name == "KVROUTE_CONFIG":
+            continue
+        path = name[len("KVROUTE_"):].lower().split("__")
+        try:
+            value: Any = json.loads(raw)
+        except ValueError:
+            value = raw
+        node = data
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = value
+    return data
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def load_config(path: str | os.PathLike[str] | None = None, overrides: dict[str, Any] | None = None,
+                environ: dict[str, str] | None = None) -> RouterConfig:
+    """Build the config from a YAML file, the environment and CLI overrides (highest precedence)."""
+    environ = dict(os.environ if environ is None else environ)
+    data: dict[str, Any] = {}
+    source = "defaults"
+    path = path or environ.get("KVROUTE_CONFIG")
+    if path:
+        source = str(path)
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+        try:
+            loaded = yaml.safe_load(text) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path} must hold a mapping at the top level")
+        data = loaded
+    data = _merge(data, _env_overrides(environ))
+    data = _merge(data, {k: v for k, v in (overrides or {}).items() if v is not None})
+    try:
+        return RouterConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_errors(exc, source)) from None
