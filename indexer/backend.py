@@ -16,6 +16,10 @@ from typing import Literal
 OpKind = Literal["store", "remove", "clear"]
 
 
+class IndexUnavailable(RuntimeError):
+    """The backend cannot answer right now (e.g. Redis is down): route by load and retry later."""
+
+
 @dataclass(slots=True, frozen=True)
 class IndexOp:
     """One change to a worker's entries: add or remove a tier bit on keys, or drop everything."""
@@ -79,5 +83,5 @@ class IndexBackend(ABC):
         """True when the backend can serve lookups right now."""
         return True
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections."""

@@ -182,7 +182,9 @@ def _event(raw: Any) -> KVEvent | None:
         names = STORED_FIELDS if kind == "BlockStored" else REMOVED_FIELDS
         fields = dict(zip(names, raw[1:], strict=False))
     else:
-        raise EventDecodeError("bad_event", f"event must be a map or a tagged array, got {type(raw).__name__}")
+        raise EventDecodeError(
+            "bad_event", f"event must be a map or a tagged array, got {type(raw).__name__}"
+        )
     if kind == "BlockStored":
         return _stored(fields)
     if kind == "BlockRemoved":

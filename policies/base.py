@@ -171,7 +171,7 @@ class Policy(ABC):
 
     @abstractmethod
     def choose(self, request: RouteRequest, workers: Sequence[WorkerView]) -> RoutePlan:
-        """Pick a plan among ``workers`` (all healthy and serving the model). Raise NoWorkerError if none fits."""
+        """Pick a plan among ``workers`` (all healthy, serving the model); NoWorkerError if none fits."""
 
     def observe(self, outcome: RouteOutcome) -> None:  # noqa: B027 - optional hook
         """Learn from an outcome. The default ignores it."""
@@ -182,5 +182,6 @@ def split_roles(workers: Sequence[WorkerView]) -> tuple[list[WorkerView], list[W
     prefill = [w for w in workers if w.healthy and w.can_prefill]
     decode = [w for w in workers if w.healthy and w.can_decode]
     if not prefill or not decode:
-        raise NoWorkerError("no healthy worker for this model" if not workers else "no worker with the needed role")
+        raise NoWorkerError("no healthy worker for this model" if not workers
+                            else "no worker with the needed role")
     return prefill, decode

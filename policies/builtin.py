@@ -1,3 +1,3 @@
 """Imports every built-in policy module so their @register_policy decorators run."""
 
-from kvroute.policies import least_load, round_robin  # noqa: F401
+from kvroute.policies import approx_text, cost, least_load, prefix, round_robin  # noqa: F401

@@ -31,7 +31,8 @@ class WorkerConfig(_Strict):
 
     url: str = Field(description="Base URL of the worker's OpenAI server, e.g. http://10.0.0.5:8000")
     id: str | None = Field(default=None, description="Stable name; defaults to host:port of the URL")
-    models: list[str] = Field(default_factory=list, description="Served models; empty = discover from /v1/models")
+    models: list[str] = Field(default_factory=list,
+        description="Served models; empty = discover from /v1/models")
     role: Role = "both"
     kv_events: str | None = Field(
         default=None,
@@ -41,7 +42,8 @@ class WorkerConfig(_Strict):
     )
     kv_events_topic: str = Field(default="", description="Topic the worker publishes under")
     replay: str | None = Field(default=None, description="ZMQ endpoint of the worker's replay ROUTER socket")
-    p2p_host: str | None = Field(default=None, description="Host peers use for P2P lookups (default: URL host)")
+    p2p_host: str | None = Field(default=None,
+        description="Host peers use for P2P lookups (default: URL host)")
     p2p_port: int = Field(default=5710, ge=1, le=65535, description="P2P control port base (+ DP rank)")
     dp_size: int = Field(default=1, ge=1, le=1024)
 
@@ -73,19 +75,23 @@ class ModelConfig(_Strict):
 
     name: str
     tokenizer: str | None = Field(default=None, description="Folder or tokenizer.json for local tokenization")
-    chat_template: str | None = Field(default=None, description="Jinja chat template file (default: from the folder)")
+    chat_template: str | None = Field(default=None,
+        description="Jinja chat template file (default: from the folder)")
     block_size: int | None = Field(default=None, ge=1, le=4096, description="Default: learnt from events")
     #: Cost-model parameters (DESIGN §7); calibrated online from observed TTFTs.
     prefill_tokens_per_s: float = Field(default=10_000.0, gt=0)
-    attention_coeff_s: float = Field(default=0.0, ge=0, description="Extra prefill seconds per token per 1k context")
-    bytes_per_token: int = Field(default=131_072, gt=0, description="2 x layers x kv_heads x head_dim x dtype")
+    attention_coeff_s: float = Field(default=0.0, ge=0,
+        description="Extra prefill seconds per token per 1k context")
+    bytes_per_token: int = Field(default=131_072, gt=0,
+        description="2 x layers x kv_heads x head_dim x dtype")
 
 
 class IndexConfig(_Strict):
     backend: Literal["memory", "redis"] = "memory"
     redis_url: str = "redis://127.0.0.1:6379/0"
     redis_prefix: str = "kvr"
-    block_ttl_s: int = Field(default=3600, ge=0, description="Safety-net TTL for entries whose removal was lost")
+    block_ttl_s: int = Field(default=3600, ge=0,
+        description="Safety-net TTL for entries whose removal was lost")
     subscribe: bool = Field(default=True, description="Run the event subscribers in this process")
     events_bind: str | None = Field(
         default=None, description="Bind one SUB socket here for workers that connect (vLLM tcp://host:port)"
@@ -101,7 +107,8 @@ class PoolConfig(_Strict):
         description="none: aggregated only; p2p: vLLM>=0.27 offloading tier keys; nixl: two-leg pull P/D",
     )
     client_kv_params: Literal["strip", "refuse"] = "strip"
-    conversation_ttl_s: float = Field(default=420.0, gt=0, description="Kept below the decoder's 480 s retention")
+    conversation_ttl_s: float = Field(default=420.0, gt=0,
+        description="Kept below the decoder's 480 s retention")
     kv_recompute_threshold: int = Field(default=64, ge=0)
 
 
@@ -122,7 +129,10 @@ class RouterConfig(_Strict):
     metrics_interval_s: float = Field(default=1.0, gt=0)
     unhealthy_after: int = Field(default=2, ge=1, description="Failed probes before a worker is marked down")
     healthy_after: int = Field(default=1, ge=1, description="Good probes before a down worker is marked up")
-    debug_headers: bool = Field(default=False, description="Allow X-KVRoute-Debug: 1 to return the chosen plan")
+    http_client: Literal["auto", "httpx", "aiohttp"] = Field(
+        default="auto", description="Upstream HTTP client; auto = aiohttp when installed (see benchmarks)")
+    debug_headers: bool = Field(default=False,
+        description="Allow X-KVRoute-Debug: 1 to return the chosen plan")
     log_level: str = "info"
 
     @model_validator(mode="after")
@@ -150,7 +160,7 @@ def _format_errors(exc: ValidationError, source: str) -> str:
 
 
 def _env_overrides(environ: dict[str, str]) -> dict[str, Any]:
-    """KVROUTE_POLICY=x, KVROUTE_INDEX__BACKEND=redis, KVROUTE_WORKERS='[{"url": ...}]' (JSON values allowed)."""
+    """KVROUTE_POLICY=x, KVROUTE_INDEX__BACKEND=redis, KVROUTE_WORKERS='[{"url": ...}]' (JSON values ok)."""
     data: dict[str, Any] = {}
     for name, raw in environ.items():
         if not name.startswith("KVROUTE_") or name == "KVROUTE_CONFIG":

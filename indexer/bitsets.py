@@ -1,0 +1,43 @@
+"""Small helpers on tier bit sets, shared by the local views and the memory backend."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from kvroute.indexer.tiers import Tier
+
+_GPU, _CPU = int(Tier.GPU), int(Tier.CPU)
+
+def add_bits(table: dict[int, int], keys: list[int], bit: int) -> None:
+    """``table[key] |= bit`` for every key; C-level dict updates for the keys not there yet."""
+    get = table.get
+    if len(keys) == 1:
+        key = keys[0]
+        table[key] = get(key, 0) | bit
+        return
+    common = table.keys() & keys
+    if not common:
+        table.update(dict.fromkeys(keys, bit))
+        return
+    olds = {key: get(key, 0) for key in common}
+    table.update(dict.fromkeys(keys, bit))
+    for key, old in olds.items():
+        table[key] = old | bit
+
+
+def classify(bits: int) -> tuple[int, bool]:
+    """(0 GPU / 1 CPU / 2 STORAGE: the fastest medium, remote-only?) for one worker's tier bits."""
+    merged = bits | (bits >> 3)
+    tier = 0 if merged & _GPU else 1 if merged & _CPU else 2
+    return tier, not bits & 7
+
+
+def tier_counts(values: Iterable[int]) -> dict[str, int]:
+    """Blocks per tier name for an iterable of tier bit sets (a block in two tiers counts in both)."""
+    counts: dict[str, int] = {}
+    for bits in values:
+        for tier in Tier:
+            if bits & tier:
+                name = tier.name or str(int(tier))
+                counts[name] = counts.get(name, 0) + 1
+    return counts

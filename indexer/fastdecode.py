@@ -1,0 +1,125 @@
+"""The fast path of KV-event decoding: msgspec validates the common shapes in C.
+
+:func:`kvroute.indexer.events.decode_batch` is the reference decoder: generic msgpack, then every
+field checked in Python (per block hash, too). That is most of the ingestion cost, so this module
+first decodes with typed msgspec schemas of vLLM's two event forms (tagged maps, tagged arrays) and
+only falls back to the reference decoder when the typed one refuses the payload (unknown event
+types, odd values, hostile input): same results, same errors, a fraction of the time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from kvroute.indexer.events import (
+    MAX_BLOCKS_PER_EVENT,
+    MAX_EVENTS_PER_BATCH,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    KVEvent,
+    decode_batch,
+)
+
+_Hash = int | bytes
+
+
+class _StoredMap(msgspec.Struct, tag="BlockStored", tag_field="type", gc=False):
+    block_hashes: list[_Hash]
+    parent_block_hash: _Hash | None = None
+    token_ids: list[int] | None = None
+    block_size: int | None = None
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    locality: str | None = None
+
+
+class _RemovedMap(msgspec.Struct, tag="BlockRemoved", tag_field="type", gc=False):
+    block_hashes: list[_Hash]
+    medium: str | None = None
+    group_idx: int | None = None
+    locality: str | None = None
+
+
+class _ClearedMap(msgspec.Struct, tag="AllBlocksCleared", tag_field="type", gc=False):
+    pass
+
+
+class _StoredArray(msgspec.Struct, tag="BlockStored", array_like=True, gc=False):
+    block_hashes: list[_Hash]
+    parent_block_hash: _Hash | None = None
+    token_ids: list[int] | None = None
+    block_size: int | None = None
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: Any = None
+    kv_cache_spec_sliding_window: Any = None
+    locality: str | None = None
+
+
+class _RemovedArray(msgspec.Struct, tag="BlockRemoved", array_like=True, gc=False):
+    block_hashes: list[_Hash]
+    medium: str | None = None
+    group_idx: int | None = None
+    locality: str | None = None
+
+
+class _ClearedArray(msgspec.Struct, tag="AllBlocksCleared", array_like=True, gc=False):
+    pass
+
+
+_map_decoder = msgspec.msgpack.Decoder(tuple[float, list[_StoredMap | _RemovedMap | _ClearedMap], int | None])
+_array_decoder = msgspec.msgpack.Decoder(
+    tuple[float, list[_StoredArray | _RemovedArray | _ClearedArray], int | None]
+)
+
+
+def _convert(raw: Any) -> KVEvent | None:
+    """The contract struct for one typed event; None when it needs the reference decoder's verdict."""
+    if isinstance(raw, _StoredMap | _StoredArray):
+        hashes = raw.block_hashes
+        tokens = raw.token_ids or []
+        size = raw.block_size or 0
+        if len(hashes) > MAX_BLOCKS_PER_EVENT or not 0 <= size <= 1 << 20:
+            return None
+        if size and tokens and len(tokens) > len(hashes) * size:
+            return None
+        return BlockStored(
+            block_hashes=hashes, parent_block_hash=raw.parent_block_hash, token_ids=tokens, block_size=size,
+            lora_id=raw.lora_id, medium=(raw.medium or "GPU").upper(), lora_name=raw.lora_name,
+            extra_keys=raw.extra_keys, group_idx=raw.group_idx or 0,
+            locality=(raw.locality or "LOCAL").upper(),
+        )
+    if isinstance(raw, _RemovedMap | _RemovedArray):
+        if len(raw.block_hashes) > MAX_BLOCKS_PER_EVENT:
+            return None
+        return BlockRemoved(block_hashes=raw.block_hashes, medium=(raw.medium or "GPU").upper(),
+                            group_idx=raw.group_idx or 0, locality=(raw.locality or "LOCAL").upper())
+    return AllBlocksCleared()
+
+
+def decode_batch_fast(payload: bytes) -> EventBatch:
+    """Same contract as :func:`kvroute.indexer.events.decode_batch` (and its errors), faster."""
+    for decoder in (_map_decoder, _array_decoder):
+        try:
+            ts, raw_events, dp_rank = decoder.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError):
+            continue
+        if len(raw_events) > MAX_EVENTS_PER_BATCH or (dp_rank is not None and not 0 <= dp_rank < 4096):
+            break
+        events = []
+        for raw in raw_events:
+            event = _convert(raw)
+            if event is None:
+                return decode_batch(payload)
+            events.append(event)
+        return EventBatch(ts=float(ts), events=events, dp_rank=dp_rank or 0)
+    return decode_batch(payload)

@@ -1,0 +1,196 @@
+"""Turning one decoded event batch into index operations for one worker entity.
+
+This is the hot path of ingestion, kept free of I/O: per stored block one xxh3 call (our key chain)
+and a few dict operations (the alias map vLLM-hash -> our key and the entity's tier bits). The
+entity's local view (``alias`` + ``bits``) is the truth the index mirrors: it lets removals and
+offloading placeholders resolve vLLM hashes, and lets a backend that lost its data be rewritten.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvroute.indexer.backend import IndexOp
+from kvroute.indexer.bitsets import add_bits
+from kvroute.indexer.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, EventBatch
+from kvroute.indexer.keys import chain_keys, root_key
+from kvroute.indexer.tiers import Tier, tier_bit
+
+
+@dataclass(slots=True)
+class EntityState:
+    """What one worker entity (a worker's data-parallel rank) holds, as we know it."""
+
+    alias: dict[BlockHash, int] = field(default_factory=dict)
+    bits: dict[int, int] = field(default_factory=dict)
+
+    def clear(self) -> None:
+        self.alias.clear()
+        self.bits.clear()
+
+    def snapshot_ops(self) -> list[IndexOp]:
+        """Operations that rewrite this entity from scratch (clear, then its blocks per tier)."""
+        by_tier: dict[int, list[int]] = {}
+        for key, bits in self.bits.items():
+            for tier in Tier:
+                if bits & tier:
+                    by_tier.setdefault(int(tier), []).append(key)
+        return [IndexOp("clear"), *(IndexOp("store", keys, tier) for tier, keys in sorted(by_tier.items()))]
+
+
+@dataclass(slots=True)
+class BatchResult:
+    ops: list[IndexOp] = field(default_factory=list)
+    #: event type -> count received / applied; reason -> count dropped
+    received: dict[str, int] = field(default_factory=dict)
+    applied: dict[str, int] = field(default_factory=dict)
+    dropped: dict[str, int] = field(default_factory=dict)
+    cleared: bool = False
+
+
+class ModelInfo:
+    """Per-model facts the key chain needs: its root key and its block size (learnt or configured)."""
+
+    __slots__ = ("block_size", "name", "on_learn", "root")
+
+    def __init__(self, name: str, block_size: int | None = None,
+                 on_learn: Callable[[str, int], None] | None = None) -> None:
+        self.name = name
+        self.root = root_key(name)
+        self.block_size = block_size
+        self.on_learn = on_learn
+
+
+def _bump(counter: dict[str, int], name: str, n: int = 1) -> None:
+    counter[name] = counter.get(name, 0) + n
+
+
+def _extras(event: BlockStored, count: int) -> list[Any] | None:
+    if event.extra_keys is not None:
+        return event.extra_keys
+    if event.lora_name:
+        return [[event.lora_name]] * count
+    return None
+
+
+def _store(state: EntityState, model: ModelInfo, event: BlockStored, out: BatchResult) -> list[int] | None:
+    """Keys newly held for a BlockStored event, updating the alias map; None when it must be dropped."""
+    hashes = event.block_hashes
+    if event.is_placeholder:
+        # Offloading connectors announce copies of blocks we already know, by vLLM hash only.
+        alias = state.alias
+        keys = [alias[h] for h in hashes if h in alias]
+        if len(keys) < len(hashes):
+            _bump(out.dropped, "unknown_hash", len(hashes) - len(keys))
+        return keys
+    if model.block_size is None:
+        model.block_size = event.block_size
+        if model.on_learn is not None:
+            model.on_learn(model.name, event.block_size)
+    elif event.block_size != model.block_size:
+        _bump(out.dropped, "block_size_mismatch")
+        return None
+    if event.parent_block_hash is None:
+        parent = model.root
+    else:
+        found = state.alias.get(event.parent_block_hash)
+        if found is None:
+            _bump(out.dropped, "unknown_parent")
+            return None
+        parent = found
+    try:
+        keys = chain_keys(event.token_ids, event.block_size, parent, _extras(event, len(hashes)),
+                          max_blocks=len(hashes))
+    except (OverflowError, TypeError, ValueError):
+        _bump(out.dropped, "bad_tokens")
+        return None
+    state.alias.update(zip(hashes, keys, strict=False))
+    return keys
+
+
+def _remove(state: EntityState, bit: int, hashes: list[BlockHash]) -> list[int]:
+    alias = state.alias
+    bits = state.bits
+    keys = []
+    for h in hashes:
+        key = alias.get(h)
+        if key is None:
+            continue
+        old = bits.get(key, 0)
+        if not old & bit:
+            continue
+        keys.append(key)
+        if old == bit:
+            del bits[key]
+            del alias[h]
+        else:
+            bits[key] = old & ~bit
+    return keys
+
+
+def _append(ops: list[IndexOp], kind: str, keys: list[int], tier: int) -> None:
+    """Add keys to the last op when it has the same kind and tier (fewer backend round trips)."""
+    if not keys:
+        return
+    if ops and ops[-1].kind == kind and ops[-1].tier == tier:
+        ops[-1].keys.extend(keys)  # type: ignore[attr-defined]  # our own list, see below
+    else:
+        ops.append(IndexOp(kind, list(keys), tier))  # type: ignore[arg-type]
+
+
+_TIERS: dict[tuple[str, str], int] = {}
+
+
+def _tier(medium: str, locality: str) -> int:
+    """``tier_bit`` as a plain int, memoised (enum arithmetic is slow on the hot path)."""
+    bit = _TIERS.get((medium, locality))
+    if bit is None:
+        bit = _TIERS[(medium, locality)] = int(tier_bit(medium, locality))
+    return bit
+
+
+def translate(state: EntityState, model: ModelInfo, batch: EventBatch) -> BatchResult:
+    """Apply ``batch`` to the entity's local view and return the index operations that mirror it."""
+    out = BatchResult()
+    stored = removed = cleared = applied_stored = applied_removed = 0
+    bits_table = state.bits
+    for event in batch.events:
+        if type(event) is BlockStored:
+            stored += 1
+            if event.group_idx != 0:
+                # Hybrid models: only the first KV-cache group is indexed (same tokens, same keys).
+                _bump(out.dropped, "other_group")
+                continue
+            keys = _store(state, model, event, out)
+            if keys is None:
+                continue
+            bit = _tier(event.medium, event.locality)
+            if len(keys) == 1:
+                bits_table[keys[0]] = bits_table.get(keys[0], 0) | bit
+            else:
+                add_bits(bits_table, keys, bit)
+            _append(out.ops, "store", keys, bit)
+            applied_stored += 1
+        elif type(event) is BlockRemoved:
+            removed += 1
+            if event.group_idx != 0:
+                _bump(out.dropped, "other_group")
+                continue
+            bit = _tier(event.medium, event.locality)
+            _append(out.ops, "remove", _remove(state, bit, event.block_hashes), bit)
+            applied_removed += 1
+        elif type(event) is AllBlocksCleared:
+            cleared += 1
+            state.clear()
+            out.ops.append(IndexOp("clear"))
+            out.cleared = True
+    for name, count in (("BlockStored", stored), ("BlockRemoved", removed), ("AllBlocksCleared", cleared)):
+        if count:
+            out.received[name] = count
+    for name, count in (("BlockStored", applied_stored), ("BlockRemoved", applied_removed),
+                        ("AllBlocksCleared", cleared)):
+        if count:
+            out.applied[name] = count
+    return out

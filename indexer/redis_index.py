@@ -1,0 +1,156 @@
+"""The shared index: Redis, read by many router replicas, written by the indexer(s).
+
+Layout, with ``P`` the prefix and every key of a model hash-tagged ``{model}`` (Redis Cluster keeps a
+model in one hash slot, so the scripts may touch all of its keys):
+
+- ``P:{m}:b:<8 bytes>`` block value: one byte per worker *slot*, holding its tier bits; TTL safety net.
+- ``P:{m}:slots`` worker -> slot, ``P:{m}:owners`` slot -> worker, ``P:{m}:next`` slot counter.
+- ``P:{m}:counts`` ``<slot>:<tier>`` and ``<slot>:any`` -> block counts (for stats).
+- ``P:models`` the models seen (to purge a worker everywhere).
+
+A purge (or ``AllBlocksCleared``) retires the worker's slot in O(1): lookups ignore bytes of slots
+without an owner, and the next store gives the worker a fresh slot; stale bytes die with the TTL.
+A lookup is one ``EVALSHA`` whatever the prefix length; a batch is one ``EVALSHA`` too.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+import redis.asyncio as aioredis
+from kvroute.indexer.backend import IndexBackend, IndexOp, IndexUnavailable, WorkerIndexStats, WorkerMatch
+from kvroute.indexer.redis_lua import LOOKUP, WRITE
+from kvroute.indexer.tiers import Tier
+from redis.exceptions import RedisError
+
+_KIND = {"store": b"s", "remove": b"r", "clear": b"c"}
+#: Keys per script call when rewriting large snapshots (keeps Redis responsive for others).
+MAX_KEYS_PER_CALL = 20_000
+
+
+def pack_keys(keys: Sequence[int]) -> bytes:
+    return struct.pack(f"<{len(keys)}Q", *keys)
+
+
+class RedisIndex(IndexBackend):
+    """Index kept in Redis. Every failure to reach Redis surfaces as :class:`IndexUnavailable`."""
+
+    name = "redis"
+
+    def __init__(self, url: str = "redis://127.0.0.1:6379/0", prefix: str = "kvr", ttl_s: int = 3600,
+                 timeout_s: float = 2.0, client: aioredis.Redis | None = None) -> None:
+        self.prefix = prefix
+        self.ttl_s = ttl_s
+        self.redis = client or aioredis.Redis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry_on_timeout=False
+        )
+        self._write = self.redis.register_script(WRITE)
+        self._lookup = self.redis.register_script(LOOKUP)
+        self._models_known: set[str] = set()
+
+    def _k(self, model: str, what: str) -> str:
+        return f"{self.prefix}:{{{model}}}:{what}"
+
+    def _model_keys(self, model: str) -> list[str]:
+        return [self._k(model, "slots"), self._k(model, "owners"), self._k(model, "next"),
+                self._k(model, "counts")]
+
+    def _block_prefix(self, model: str) -> bytes:
+        return self._k(model, "b:").encode()
+
+    async def _call(self, what: str, coro: Any) -> Any:
+        try:
+            return await coro
+        except (RedisError, OSError) as exc:
+            self._models_known.clear()
+            raise IndexUnavailable(f"redis {what} failed: {exc}") from exc
+
+    async def _remember_model(self, model: str) -> None:
+        if model not in self._models_known:
+            await self._call("sadd", self.redis.sadd(f"{self.prefix}:models", model))
+            self._models_known.add(model)
+
+    async def apply(self, model: str, worker_id: str, ops: Sequence[IndexOp]) -> None:
+        if not ops:
+            return
+        await self._remember_model(model)
+        args: list[Any] = []
+        size = 0
+        for op in ops:
+            keys = list(op.keys)
+            tier = int(op.tier).bit_length() - 1 if op.kind != "clear" else 0
+            if op.kind != "clear" and (tier < 0 or int(op.tier) != 1 << tier):
+                raise ValueError(f"one tier bit per op, got {op.tier!r}")
+            # Split very large ops so no single script call holds Redis for long.
+            chunks = [keys[i:i + MAX_KEYS_PER_CALL] for i in range(0, len(keys), MAX_KEYS_PER_CALL)] or [[]]
+            for chunk in chunks:
+                if size and size + len(chunk) > MAX_KEYS_PER_CALL:
+                    await self._run_write(model, worker_id, args)
+                    args, size = [], 0
+                args += [_KIND[op.kind], tier, pack_keys(chunk)]
+                size += len(chunk)
+        if args:
+            await self._run_write(model, worker_id, args)
+
+    async def _run_write(self, model: str, worker_id: str, ops_args: list[Any]) -> None:
+        args = [self._block_prefix(model), worker_id, self.ttl_s, *ops_args]
+        await self._call("write", self._write(keys=self._model_keys(model), args=args))
+
+    async def lookup(self, model: str, keys: Sequence[int]) -> dict[str, WorkerMatch]:
+        if not keys:
+            return {}
+        flat = await self._call("lookup", self._lookup(
+            keys=[self._k(model, "owners")], args=[self._block_prefix(model), pack_keys(keys)]
+        ))
+        out: dict[str, WorkerMatch] = {}
+        for i in range(0, len(flat), 6):
+            worker = flat[i].decode() if isinstance(flat[i], bytes) else str(flat[i])
+            out[worker] = WorkerMatch(worker, *(int(v) for v in flat[i + 1:i + 6]))
+        return out
+
+    async def _models(self) -> list[str]:
+        members = await self._call("smembers", self.redis.smembers(f"{self.prefix}:models"))
+        return sorted(m.decode() for m in members)
+
+    async def purge_worker(self, worker_id: str) -> None:
+        for model in await self._models():
+            await self._run_write(model, worker_id, [b"c", 0, b""])
+
+    async def block_workers(self, model: str, key: int) -> dict[str, int]:
+        value = await self._call("get", self.redis.get(self._block_prefix(model) + pack_keys([key])))
+        if not value:
+            return {}
+        owners = await self._call("hgetall", self.redis.hgetall(self._k(model, "owners")))
+        out = {}
+        for slot_b, worker in owners.items():
+            slot = int(slot_b)
+            if slot < len(value) and value[slot]:
+                out[worker.decode()] = value[slot]
+        return out
+
+    async def worker_stats(self) -> list[WorkerIndexStats]:
+        out = []
+        for model in await self._models():
+            owners = await self._call("hgetall", self.redis.hgetall(self._k(model, "owners")))
+            counts = await self._call("hgetall", self.redis.hgetall(self._k(model, "counts")))
+            for slot_b, worker in sorted(owners.items(), key=lambda kv: kv[1]):
+                slot = slot_b.decode()
+                by_tier = {}
+                for tier in Tier:
+                    n = int(counts.get(f"{slot}:{int(tier).bit_length() - 1}".encode(), 0))
+                    if n:
+                        by_tier[tier.name or str(int(tier))] = n
+                blocks = int(counts.get(f"{slot}:any".encode(), 0))
+                out.append(WorkerIndexStats(worker.decode(), model, blocks, by_tier))
+        return out
+
+    async def ping(self) -> bool:
+        try:
+            return bool(await self.redis.ping())
+        except (RedisError, OSError):
+            return False
+
+    async def close(self) -> None:
+        await self.redis.aclose()

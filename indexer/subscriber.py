@@ -1,0 +1,270 @@
+"""ZMQ subscribers: vLLM KV-event streams into a :class:`KVIndexer`, without blocking the loop.
+
+Two ways a worker's events arrive (DESIGN §4):
+
+- *connect* mode: vLLM binds (``tcp://*:5557``); we connect one SUB per worker, to ``port + n`` for
+  each data-parallel rank n. ZMQ reconnects by itself with exponential backoff, and a socket monitor
+  tells us when the worker is gone (purged after the grace period) or back.
+- *bind* mode: vLLM connects; one SUB bound here serves all such workers, the topic names the worker.
+
+A sequence gap triggers a replay through a DEALER on the worker's replay endpoint; the indexer
+decides what the replayed batches mean (catch-up, or a buffer too short and a fresh start).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import zmq
+import zmq.asyncio
+from kvroute.indexer.events import REPLAY_END_SEQ, encode_seq
+from kvroute.indexer.service import KVIndexer
+from zmq.utils.monitor import parse_monitor_message
+
+log = logging.getLogger("kvroute.indexer.subscriber")
+
+RECV_HWM = 100_000
+RECONNECT_IVL_MS = 100
+RECONNECT_IVL_MAX_MS = 5_000
+
+
+@dataclass(slots=True)
+class WorkerSpec:
+    """Where one worker's events come from. ``endpoint`` None = it connects to our bound socket."""
+
+    worker_id: str
+    model: str
+    endpoint: str | None = None
+    topic: str = ""
+    replay: str | None = None
+    dp_size: int = 1
+
+
+def rank_endpoint(endpoint: str, rank: int) -> str:
+    """vLLM's data-parallel rank n publishes (and replays) on the configured port + n."""
+    if rank == 0:
+        return endpoint
+    parts = urlsplit(endpoint)
+    if parts.scheme != "tcp" or parts.port is None:
+        raise ValueError(f"data-parallel ranks need a tcp://host:port endpoint, got {endpoint!r}")
+    host = parts.netloc.rsplit(":", 1)[0]
+    return f"tcp://{host}:{parts.port + rank}"
+
+
+def _sub_socket(ctx: zmq.asyncio.Context) -> zmq.asyncio.Socket:
+    sock = ctx.socket(zmq.SUB)
+    sock.setsockopt(zmq.RCVHWM, RECV_HWM)
+    sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
+    sock.setsockopt(zmq.LINGER, 0)
+    return sock
+
+
+class EventSubscriber:
+    """Owns the sockets and tasks feeding one indexer."""
+
+    def __init__(self, indexer: KVIndexer, *, bind: str | None = None, grace_s: float = 30.0,
+                 replay_timeout_s: float = 2.0, refresh_s: float | None = None,
+                 ctx: zmq.asyncio.Context | None = None) -> None:
+        self.indexer = indexer
+        self.bind = bind
+        self.grace_s = grace_s
+        self.replay_timeout_s = replay_timeout_s
+        #: Rewrite every worker's blocks this often (renews Redis TTLs of long-lived blocks); None = never.
+        self.refresh_s = refresh_s
+        self.ctx = ctx or zmq.asyncio.Context.instance()
+        self._specs: dict[str, WorkerSpec] = {}
+        self._topics: dict[bytes, str] = {}
+        self._tasks: dict[str, list[asyncio.Task[None]]] = {}
+        self._bound: zmq.asyncio.Socket | None = None
+        self._bound_task: asyncio.Task[None] | None = None
+        self._watchdog: asyncio.Task[None] | None = None
+        self._running = False
+        self.bound_endpoint: str | None = None
+
+    # ---- configuration -------------------------------------------------------------------------
+
+    def add_worker(self, spec: WorkerSpec) -> None:
+        """Register a worker with the indexer and start listening to it (now, or at :meth:`start`)."""
+        if spec.worker_id in self._specs:
+            raise ValueError(f"worker {spec.worker_id!r} is already subscribed")
+        if spec.endpoint is None:
+            topic = spec.topic.encode()
+            if topic in self._topics:
+                raise ValueError(f"topic {spec.topic!r} already names worker {self._topics[topic]!r}: "
+                                 "workers sharing the bound socket need distinct topics")
+            self._topics[topic] = spec.worker_id
+        else:
+            for rank in range(spec.dp_size):
+                rank_endpoint(spec.endpoint, rank)  # validate now, not in a task
+        self.indexer.register_worker(spec.worker_id, spec.model, spec.dp_size)
+        self._specs[spec.worker_id] = spec
+        if self._running and spec.endpoint is not None:
+            self._start_worker(spec)
+
+    async def remove_worker(self, worker_id: str) -> None:
+        """Stop listening and forget the worker's blocks."""
+        spec = self._specs.pop(worker_id, None)
+        if spec is None:
+            return
+        self._topics = {t: w for t, w in self._topics.items() if w != worker_id}
+        for task in self._tasks.pop(worker_id, []):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        await self.indexer.unregister_worker(worker_id)
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._running:
+            return
+        self._running = True
+        if self.bind:
+            self._bound = _sub_socket(self.ctx)
+            self._bound.setsockopt(zmq.SUBSCRIBE, b"")
+            self._bound.bind(self.bind)
+            self.bound_endpoint = self._bound.getsockopt(zmq.LAST_ENDPOINT).decode()
+            self._bound_task = asyncio.create_task(self._bound_loop(self._bound), name="kv-events-bound")
+        for spec in self._specs.values():
+            if spec.endpoint is not None:
+                self._start_worker(spec)
+        self._watchdog = asyncio.create_task(self._watch(), name="kv-events-watchdog")
+
+    async def stop(self) -> None:
+        self._running = False
+        tasks = [t for ts in self._tasks.values() for t in ts]
+        tasks += [t for t in (self._bound_task, self._watchdog) if t is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks.clear()
+        self._bound_task = self._watchdog = None
+        if self._bound is not None:
+            self._bound.close(0)
+            self._bound = None
+
+    def _start_worker(self, spec: WorkerSpec) -> None:
+        assert spec.endpoint is not None
+        sock = _sub_socket(self.ctx)
+        sock.setsockopt(zmq.SUBSCRIBE, spec.topic.encode())
+        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        for rank in range(spec.dp_size):
+            sock.connect(rank_endpoint(spec.endpoint, rank))
+        self._tasks[spec.worker_id] = [
+            asyncio.create_task(self._worker_loop(spec, sock), name=f"kv-events-{spec.worker_id}"),
+            asyncio.create_task(self._monitor_loop(spec, sock, monitor), name=f"kv-monitor-{spec.worker_id}"),
+        ]
+
+    # ---- loops ---------------------------------------------------------------------------------
+
+    async def _worker_loop(self, spec: WorkerSpec, sock: zmq.asyncio.Socket) -> None:
+        try:
+            while True:
+                frames = await sock.recv_multipart()
+                await self._handle(spec, frames)
+        finally:
+            sock.close(0)
+
+    async def _monitor_loop(self, spec: WorkerSpec, sock: zmq.asyncio.Socket,
+                            monitor: zmq.asyncio.Socket) -> None:
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())
+                if event["event"] == zmq.EVENT_CONNECTED:
+                    self.indexer.mark_up(spec.worker_id)
+                elif event["event"] == zmq.EVENT_DISCONNECTED:
+                    log.info("worker %s: event stream disconnected", spec.worker_id)
+                    self.indexer.mark_down(spec.worker_id)
+        finally:
+            with contextlib.suppress(zmq.ZMQError):
+                sock.disable_monitor()
+            monitor.close(0)
+
+    async def _bound_loop(self, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            frames = await sock.recv_multipart()
+            worker_id = self._topics.get(frames[0]) if frames else None
+            spec = self._specs.get(worker_id) if worker_id else None
+            if spec is None:
+                self.indexer.count_drop("(bound)", "unknown_topic", repr(frames[0][:64]) if frames else "")
+                continue
+            self.indexer.mark_up(spec.worker_id)
+            await self._handle(spec, frames)
+
+    async def _handle(self, spec: WorkerSpec, frames: list[bytes]) -> None:
+        """One message; nothing a worker sends may end the loop."""
+        try:
+            on_gap = "report" if spec.replay else "purge"
+            handled = await self.indexer.handle_message(spec.worker_id, frames, on_gap=on_gap)
+            if handled.outcome == "gap" and handled.dp_rank is not None:
+                await self.replay(spec, handled.dp_rank)
+                # Covered by the replay: a duplicate. Not covered (replay failed): a fresh start here.
+                await self.indexer.handle_message(spec.worker_id, frames, on_gap="purge")
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug must cost one message, never the subscriber
+            log.exception("worker %s: failed to handle a message", spec.worker_id)
+            self.indexer.count_drop(spec.worker_id, "internal_error", str(exc))
+
+    async def replay(self, spec: WorkerSpec, rank: int) -> str:
+        """Ask the worker's replay socket for what we missed. Returns ok / timeout / error."""
+        start = self.indexer.expected_seq(spec.worker_id, rank)
+        if spec.replay is None or start is None:
+            return "error"
+        self.indexer.begin_replay(spec.worker_id, rank, start)
+        entity = spec.worker_id if rank == 0 else f"{spec.worker_id}#{rank}"
+        dealer = self.ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        outcome = "ok"
+        try:
+            dealer.connect(rank_endpoint(spec.replay, rank))
+            await dealer.send_multipart([b"", encode_seq(start)])
+            while True:
+                frames = await asyncio.wait_for(dealer.recv_multipart(), self.replay_timeout_s)
+                if frames and frames[0] == b"":
+                    frames = frames[1:]
+                if len(frames) == 2:  # older vLLM: no topic frame
+                    frames = [spec.topic.encode(), *frames]
+                if len(frames) != 3:
+                    self.indexer.count_drop(spec.worker_id, "bad_replay_frames")
+                    continue
+                if frames[1] == REPLAY_END_SEQ:
+                    break
+                await self.indexer.handle_message(spec.worker_id, frames, replay=True)
+        except TimeoutError:
+            outcome = "timeout"
+            log.warning("worker %s: replay from %d timed out", entity, start)
+        except zmq.ZMQError as exc:
+            outcome = "error"
+            log.warning("worker %s: replay failed: %s", entity, exc)
+        finally:
+            dealer.close(0)
+        from kvroute.indexer import metrics
+
+        metrics.REPLAYS.labels(entity, outcome).inc()
+        return outcome
+
+    async def _watch(self) -> None:
+        """Purge workers gone past the grace period; heal a backend that came back; renew TTLs."""
+        interval = max(0.05, min(1.0, self.grace_s / 4))
+        loop = asyncio.get_running_loop()
+        next_refresh = loop.time() + (self.refresh_s or 0)
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.indexer.purge_gone(self.grace_s)
+                await self.indexer.recover()
+                if self.refresh_s and loop.time() >= next_refresh:
+                    next_refresh = loop.time() + self.refresh_s
+                    await self.indexer.refresh()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("indexer watchdog failed; retrying")

@@ -1,0 +1,175 @@
+"""Run one routing policy against a fresh simulated fleet and replay a trace through it.
+
+Shared by ``kvroute demo`` and ``bench/routing.py``. Each run starts its own fleet (``kvroute sim``)
+and router (``kvroute serve``) as subprocesses — three processes for two cores is the honest layout:
+the replayer, the router and the workers never share one event loop — so every policy starts from
+cold caches and an empty index, with the same arrivals.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+from kvroute.sim.replay import ReplayReport, RequestResult, replay
+from kvroute.sim.traces import Trace
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass(slots=True)
+class FleetSpec:
+    """What ``kvroute sim`` is started with."""
+
+    workers: int = 4
+    preset: str = "llama-8b-h100"
+    time_scale: float = 0.25
+    roles: str = "both"
+    gpu_blocks: int | None = None
+    cpu_blocks: int | None = None
+    extra_args: list[str] = field(default_factory=list)
+
+    def argv(self, config_out: Path) -> list[str]:
+        argv = [sys.executable, "-m", "kvroute.cli", "sim", "--workers", str(self.workers), "--preset",
+                self.preset, "--time-scale", str(self.time_scale), "--roles", self.roles,
+                "--config-out", str(config_out)]
+        if self.gpu_blocks is not None:
+            argv += ["--gpu-blocks", str(self.gpu_blocks)]
+        if self.cpu_blocks is not None:
+            argv += ["--cpu-blocks", str(self.cpu_blocks)]
+        return argv + self.extra_args
+
+
+@dataclass(slots=True)
+class PolicyRun:
+    policy: str
+    report: ReplayReport
+    router_metrics: str = ""
+
+    def summary(self) -> dict[str, Any]:
+        return {"policy": self.policy, **self.report.summary()}
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@contextlib.contextmanager
+def _process(argv: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    with log.open("wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ})
+        try:
+            yield proc
+        finally:
+            _stop(proc)
+
+
+def _wait_for(predicate: Callable[[], bool], proc: subprocess.Popen[bytes], what: str, log: Path,
+              timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}; log:\n{log.read_text()[-3000:]}")
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise RuntimeError(f"{what} not ready after {timeout_s:.0f}s; log:\n{log.read_text()[-3000:]}")
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def run_policy(policy: str, trace: Trace, fleet: FleetSpec, *, workdir: Path | None = None,
+               router_config: dict[str, Any] | None = None, policy_options: dict[str, Any] | None = None,
+               on_result: Callable[[RequestResult], None] | None = None) -> PolicyRun:
+    """Start a fleet and a router with ``policy``, replay ``trace`` through the router, stop both."""
+    workdir = Path(workdir or tempfile.mkdtemp(prefix="kvroute-run-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    fleet_yaml = workdir / f"fleet-{policy}.yaml"
+    fleet_log = workdir / f"fleet-{policy}.log"
+    router_log = workdir / f"router-{policy}.log"
+    with _process(fleet.argv(fleet_yaml), fleet_log) as sim:
+        _wait_for(lambda: fleet_yaml.exists() and fleet_yaml.stat().st_size > 0, sim, "kvroute sim",
+                  fleet_log)
+        time.sleep(0.2)  # the file is written in one call; give the workers' sockets a moment
+        config = yaml.safe_load(fleet_yaml.read_text())
+        config.update(router_config or {})
+        config["policy"] = policy
+        if policy_options:
+            config["policy_options"] = policy_options
+        port = free_port()
+        config["port"] = port
+        router_yaml = workdir / f"router-{policy}.yaml"
+        router_yaml.write_text(yaml.safe_dump(config, sort_keys=False))
+        serve = [sys.executable, "-m", "kvroute.cli", "serve", "--config", str(router_yaml),
+                 "--log-level", "warning"]
+        base = f"http://127.0.0.1:{port}"
+        with _process(serve, router_log) as router:
+            _wait_for(lambda: _ready(base + "/ready"), router, "kvroute serve", router_log)
+            model = config["models"][0]["name"] if config.get("models") else None
+            report = asyncio.run(replay(trace, base, model=model, time_scale=fleet.time_scale,
+                                        on_result=on_result))
+            try:
+                metrics = httpx.get(base + "/metrics", timeout=5.0).text
+            except httpx.HTTPError:
+                metrics = ""
+    return PolicyRun(policy, report, metrics)
+
+
+class Progress:
+    """One status line per run, rewritten in place: requests done, errors, running TTFT p50."""
+
+    def __init__(self, label: str, total: int, stream: Any = sys.stderr) -> None:
+        self.label, self.total, self.stream = label, total, stream
+        self.done = 0
+        self.errors = 0
+        self.ttfts: list[float] = []
+        self._last = 0.0
+
+    def __call__(self, result: RequestResult) -> None:
+        self.done += 1
+        if not result.ok:
+            self.errors += 1
+        elif result.ttft_s is not None:
+            self.ttfts.append(result.ttft_s)
+        now = time.monotonic()
+        if now - self._last > 0.2 or self.done >= self.total:
+            self._last = now
+            width = 28
+            filled = int(width * min(self.done, self.total) / max(self.total, 1))
+            p50 = sorted(self.ttfts)[len(self.ttfts) // 2] * 1000 if self.ttfts else 0.0
+            self.stream.write(f"\r  {self.label:<12} [{'#' * filled}{'.' * (width - filled)}] "
+                              f"{self.done}/{self.total} requests, {self.errors} errors, "
+                              f"TTFT p50 {p50:7.1f} ms")
+            self.stream.flush()
+
+    def finish(self) -> None:
+        self.stream.write("\n")
+        self.stream.flush()

@@ -1,0 +1,145 @@
+"""Online calibration of the cost model from what the engines report back.
+
+The configured parameters (prefill speed, service time) are only a starting point: real speed depends on
+the GPU, batch mix and context length, and the index's view of caches lags the engines. Every
+:class:`~kvroute.policies.base.RouteOutcome` feeds three estimates:
+
+* a per-model **prefill scale**: observed prefill time ÷ predicted prefill time (EWMA of the log ratio,
+  so one outlier cannot swing it far), which corrects the tokens/s rate and attention term together;
+* a per-worker **service time**: the recent time one request keeps a worker busy before the next queued
+  one starts, used for the queue-wait term (``load x service time``);
+* a **hit ratio**: reported cached tokens ÷ predicted cached tokens, which scales the probability that a
+  predicted hit is still there; the same numbers give the stale-decision counter and rate.
+
+Everything is pure bookkeeping; the only clock is the injectable ``now`` used for the stale-rate window.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvroute.policies.base import RouteOutcome
+
+_NON_PREFILL_TERMS = ("lookup_s", "transfer_s", "promotion_s", "handoff_s", "decode_queue_s")
+
+
+@dataclass(slots=True)
+class Feedback:
+    """Counters for /metrics: predicted vs reported cache hits, stale decisions, bytes moved."""
+
+    decisions: int = 0
+    #: Decisions that predicted cached tokens the engine did not report (beyond the tolerance).
+    stale_decisions: int = 0
+    predicted_cached_tokens: int = 0
+    reported_cached_tokens: int = 0
+    predicted_by_tier: dict[str, int] = field(default_factory=dict)
+    estimated_bytes_moved: int = 0
+
+
+class Calibrator:
+    """EWMA estimates learnt from outcomes; see the module docstring for what each one corrects."""
+
+    def __init__(self, *, alpha: float = 0.2, default_service_time_s: float = 0.1,
+                 stale_tolerance: float = 0.5, window_s: float = 300.0, min_prefill_tokens: int = 128,
+                 now: Callable[[], float] = time.monotonic) -> None:
+        if not 0 < alpha <= 1:
+            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        self.alpha = alpha
+        self.default_service_time_s = default_service_time_s
+        self.stale_tolerance = stale_tolerance
+        self.window_s = window_s
+        self.min_prefill_tokens = min_prefill_tokens
+        self.now = now
+        self._log_prefill_scale: dict[str, float] = {}
+        self._service_time: dict[str, float] = {}
+        self._hit_ratio = 1.0
+        self._recent: deque[tuple[float, bool]] = deque()
+        self.feedback = Feedback()
+
+    # -- estimates the cost model reads ------------------------------------------------------------
+
+    def prefill_scale(self, model: str) -> float:
+        """Multiplier on the configured prefill time of ``model`` (1.0 until something was observed)."""
+        return math.exp(self._log_prefill_scale.get(model, 0.0))
+
+    def service_time(self, worker_id: str) -> float:
+        """Seconds one outstanding request keeps ``worker_id`` busy, for the queue-wait term."""
+        return self._service_time.get(worker_id, self.default_service_time_s)
+
+    @property
+    def hit_ratio(self) -> float:
+        """Share of predicted cached tokens the engines really had (1.0 = the index is never stale)."""
+        return self._hit_ratio
+
+    def stale_rate(self) -> float:
+        """Stale decisions ÷ decisions that predicted a hit, over the last ``window_s`` seconds."""
+        self._trim()
+        with_hit = len(self._recent)
+        return sum(1 for _, stale in self._recent if stale) / with_hit if with_hit else 0.0
+
+    # -- learning ----------------------------------------------------------------------------------
+
+    def record_plan(self, by_tier: dict[str, int], bytes_moved: int) -> None:
+        """Count a decision's predicted hits per tier and the bytes it will move (at decision time)."""
+        fb = self.feedback
+        for tier, tokens in by_tier.items():
+            fb.predicted_by_tier[tier] = fb.predicted_by_tier.get(tier, 0) + tokens
+        fb.estimated_bytes_moved += bytes_moved
+
+    def observe(self, outcome: RouteOutcome) -> None:
+        """Fold one outcome into the estimates. Failed requests teach nothing about speed."""
+        plan = outcome.plan
+        fb = self.feedback
+        fb.decisions += 1
+        predicted = plan.predicted_cached_tokens
+        reported = outcome.cached_tokens
+        fb.predicted_cached_tokens += predicted
+        if reported is not None:
+            fb.reported_cached_tokens += reported
+            if predicted > 0:
+                stale = reported < predicted * self.stale_tolerance
+                fb.stale_decisions += stale
+                self._recent.append((self.now(), stale))
+                self._trim()
+                ratio = min(1.0, reported / predicted)
+                self._hit_ratio += self.alpha * (ratio - self._hit_ratio)
+        if not outcome.ok or outcome.ttft_s is None:
+            return
+        self._learn_speed(outcome, reported if reported is not None else predicted)
+
+    def _learn_speed(self, outcome: RouteOutcome, cached: int) -> None:
+        bd = outcome.plan.breakdown
+        ttft = outcome.ttft_s
+        assert ttft is not None
+        queue = bd.get("queue_s", 0.0)
+        other = sum(bd.get(k, 0.0) for k in _NON_PREFILL_TERMS)
+        # Time the request itself kept the prefill worker busy (its queue wait excluded).
+        busy = max(ttft - queue, 1e-4)
+        worker = outcome.plan.prefill
+        prev = self._service_time.get(worker, self.default_service_time_s)
+        self._service_time[worker] = prev + self.alpha * (busy - prev)
+        uncached = outcome.prompt_tokens - cached
+        per_token = bd.get("prefill_s_per_uncached_token")
+        if uncached < self.min_prefill_tokens or not per_token:
+            return
+        predicted_prefill = per_token * uncached
+        if queue > 0.1 * predicted_prefill:
+            # A queued request's TTFT mixes our queue error into the speed: learning from it makes the
+            # two estimates chase each other. Speed is learnt from requests predicted to start at once.
+            return
+        observed_prefill = ttft - queue - other
+        if observed_prefill <= 0 or predicted_prefill <= 0:
+            return
+        # The prediction already carried the current scale, so the log ratio is the correction still due.
+        error = max(-3.0, min(3.0, math.log(observed_prefill / predicted_prefill)))
+        prev_log = self._log_prefill_scale.get(outcome.model, 0.0)
+        self._log_prefill_scale[outcome.model] = max(-3.0, min(3.0, prev_log + self.alpha * error))
+
+    def _trim(self) -> None:
+        horizon = self.now() - self.window_s
+        while self._recent and self._recent[0][0] < horizon:
+            self._recent.popleft()

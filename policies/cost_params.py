@@ -1,0 +1,130 @@
+"""Parameters of the KV-aware cost model (DESIGN §7), validated from ``create_policy("kvaware", **options)``.
+
+Defaults describe a mid-size model on one modern GPU with a 100 Gb/s network; every figure is an option and
+the prefill speed and service time are calibrated online anyway. Units are in the names (``_s``, ``_bytes``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
+
+KvProtocol = Literal["none", "p2p", "nixl"]
+
+
+@dataclass(slots=True, frozen=True)
+class ModelCost:
+    """Per-model compute and size facts."""
+
+    #: Uncached prompt tokens one worker prefills per second (short context).
+    prefill_tokens_per_s: float = 10_000.0
+    #: Extra seconds per uncached token per 1k tokens of context it attends to (the quadratic part).
+    attention_coeff_s: float = 0.0
+    #: KV bytes per token: 2 x layers x kv_heads x head_dim x dtype bytes (Qwen3-32B bf16: 262144).
+    bytes_per_token: int = 131_072
+
+
+def _default_still_there() -> dict[str, float]:
+    return {"GPU": 0.95, "CPU": 0.98, "STORAGE": 0.99, "REMOTE": 0.9}
+
+
+@dataclass(slots=True)
+class CostParams:
+    """All options of the ``kvaware`` policy. See docs/routing.md for the model they feed."""
+
+    #: Defaults for every model; ``models`` overrides them per model name.
+    prefill_tokens_per_s: float = 10_000.0
+    attention_coeff_s: float = 0.0
+    bytes_per_token: int = 131_072
+    models: dict[str, dict[str, float]] = field(default_factory=dict)
+    #: Network bandwidth between workers, bytes/s: per directed link "src->dst", else the default.
+    default_bandwidth_bytes_per_s: float = 12.5e9
+    link_bandwidth_bytes_per_s: dict[str, float] = field(default_factory=dict)
+    #: Control round trip of a P2P lookup at a peer (HIT/MISS answer) before any byte moves.
+    lookup_rtt_s: float = 0.001
+    #: Loading offloaded blocks back into GPU memory (PCIe for CPU, NVMe/FS for STORAGE).
+    promotion_cpu_bytes_per_s: float = 25e9
+    promotion_storage_bytes_per_s: float = 3e9
+    #: Fixed cost of a prefill -> decode handoff (request setup, NIXL metadata), plus bytes/bandwidth.
+    handoff_s: float = 0.002
+    #: Pools with separate roles: a decode worker prefills locally when at most this many tokens are
+    #: uncached there (Dynamo's and vllm-router's "skip the prefill worker" rule).
+    pd_split_threshold_tokens: int = 512
+    #: Probability that a block the index reports is still there when the request arrives, per tier.
+    still_there: dict[str, float] = field(default_factory=_default_still_there)
+    #: GPU hits on a worker whose KV usage nears 100% are likely evicted first: p *= 1 - decay x pressure.
+    kv_pressure_decay: float = 0.5
+    #: Queue wait = load x service time / parallelism (service time is calibrated per worker).
+    default_service_time_s: float = 0.1
+    queue_parallelism: float = 1.0
+    #: TTFT added per request already outstanding on a separate decode worker.
+    decode_queue_s_per_request: float = 0.001
+    #: The pool's protocol (router config pool.kv_protocol): P2P sources need "p2p",
+    #: conversation reuse "nixl".
+    kv_protocol: KvProtocol = "none"
+    #: Conversation reuse only pays when at least this many tokens are reusable (vLLM's default: 64).
+    kv_recompute_threshold: int = 64
+    #: How many peers (those holding the most of the prefix) are weighed as kv sources per prefill worker.
+    max_sources: int = 3
+    #: Requests remembered per worker for the queue estimate (a bound against lost outcomes).
+    max_pending: int = 4096
+    #: Candidates kept in the plan for /admin/route/explain (best first).
+    explain_limit: int = 8
+    #: Online calibration (EWMA weight, stale tolerance, window) and the tier policy (tier_policy.TierPolicy).
+    calibrate: bool = True
+    calibration: dict[str, Any] = field(default_factory=dict)
+    tier_policy: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_tokens_per_s", "default_bandwidth_bytes_per_s", "promotion_cpu_bytes_per_s",
+                     "promotion_storage_bytes_per_s", "queue_parallelism"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("attention_coeff_s", "lookup_rtt_s", "handoff_s", "kv_pressure_decay",
+                     "default_service_time_s", "decode_queue_s_per_request", "pd_split_threshold_tokens",
+                     "kv_recompute_threshold"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if self.bytes_per_token <= 0:
+            raise ValueError("bytes_per_token must be > 0")
+        if self.kv_protocol not in ("none", "p2p", "nixl"):
+            raise ValueError(f"kv_protocol must be none|p2p|nixl, got {self.kv_protocol!r}")
+        if self.max_sources < 0 or self.explain_limit < 1:
+            raise ValueError("max_sources must be >= 0 and explain_limit >= 1")
+        merged = _default_still_there()
+        merged.update({k.upper(): float(v) for k, v in self.still_there.items()})
+        if any(not 0 <= v <= 1 for v in merged.values()):
+            raise ValueError("still_there probabilities must be within [0, 1]")
+        self.still_there = merged
+        for link, bw in self.link_bandwidth_bytes_per_s.items():
+            if "->" not in link or not bw > 0:
+                raise ValueError(f"link_bandwidth_bytes_per_s[{link!r}] must be keyed 'src->dst' and > 0")
+        for name, override in self.models.items():
+            unknown = set(override) - {f.name for f in fields(ModelCost)}
+            if unknown:
+                raise ValueError(f"models[{name!r}] has unknown keys {sorted(unknown)}")
+            self.model(name)  # validates the values
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any]) -> CostParams:
+        known = {f.name for f in fields(cls)}
+        unknown = set(options) - known
+        if unknown:
+            raise ValueError(f"unknown kvaware options {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**options)
+
+    def model(self, name: str) -> ModelCost:
+        override = self.models.get(name, {})
+        cost = ModelCost(
+            prefill_tokens_per_s=float(override.get("prefill_tokens_per_s", self.prefill_tokens_per_s)),
+            attention_coeff_s=float(override.get("attention_coeff_s", self.attention_coeff_s)),
+            bytes_per_token=int(override.get("bytes_per_token", self.bytes_per_token)),
+        )
+        if cost.prefill_tokens_per_s <= 0 or cost.attention_coeff_s < 0 or cost.bytes_per_token <= 0:
+            raise ValueError(f"model {name!r}: prefill_tokens_per_s and bytes_per_token must be > 0")
+        return cost
+
+    def bandwidth(self, src: str, dst: str) -> float:
+        if not self.link_bandwidth_bytes_per_s:  # the common case: skip building the key
+            return self.default_bandwidth_bytes_per_s
+        return self.link_bandwidth_bytes_per_s.get(f"{src}->{dst}", self.default_bandwidth_bytes_per_s)

@@ -1,0 +1,118 @@
+"""Per-request tier policy: which secondary KV tiers a request may load from, and how much it may offload.
+
+vLLM's offloading connector (>= 0.27) takes two per-request keys in ``kv_transfer_params``:
+
+* ``kv_load_tiers``: the secondary tiers to look in (``[]`` = none; the local CPU tier is always used).
+  Reading STORAGE or a REMOTE tier costs latency even on a hit (and a bounded wait on HIT_PENDING), so
+  latency-sensitive requests stay on local CPU while batch work may read everything.
+* ``max_offload_tokens``: how many of the request's tokens may be written to the secondary tiers.
+  Offloading a shared prefix (system prompt, tool definitions) pays off for every later request;
+  offloading a private conversation tail mostly fills the tier with blocks nobody else will read.
+
+Both are chosen here from the request's latency class and what is known about its shared prefix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from kvroute.policies.base import RouteRequest
+
+Tier = dict[str, str]
+
+STORAGE_LOCAL: Tier = {"medium": "STORAGE", "locality": "LOCAL"}
+CPU_REMOTE: Tier = {"medium": "CPU", "locality": "REMOTE"}
+STORAGE_REMOTE: Tier = {"medium": "STORAGE", "locality": "REMOTE"}
+
+_MEDIA = ("CPU", "STORAGE")
+_LOCALITIES = ("LOCAL", "REMOTE")
+
+OffloadRule = Literal["shared_prefix", "all", "none"]
+
+
+def default_classes() -> dict[str, list[Tier]]:
+    """interactive: local CPU only; standard: + local storage; batch: every tier."""
+    return {
+        "interactive": [],
+        "standard": [dict(STORAGE_LOCAL)],
+        "batch": [dict(STORAGE_LOCAL), dict(CPU_REMOTE), dict(STORAGE_REMOTE)],
+    }
+
+
+def validate_tiers(tiers: Any) -> list[Tier]:
+    """A clean copy of a tier list, or ValueError naming the bad entry."""
+    if not isinstance(tiers, list):
+        raise ValueError(f"kv_load_tiers must be a list, got {type(tiers).__name__}")
+    out: list[Tier] = []
+    for i, tier in enumerate(tiers):
+        if not isinstance(tier, dict) or set(tier) != {"medium", "locality"}:
+            raise ValueError(f"kv_load_tiers[{i}] must be {{'medium': ..., 'locality': ...}}, got {tier!r}")
+        medium, locality = str(tier["medium"]).upper(), str(tier["locality"]).upper()
+        if medium not in _MEDIA or locality not in _LOCALITIES:
+            raise ValueError(f"kv_load_tiers[{i}]: medium must be CPU|STORAGE and locality LOCAL|REMOTE")
+        out.append({"medium": medium, "locality": locality})
+    return out
+
+
+@dataclass(slots=True)
+class TierPolicy:
+    """Maps a request to ``(kv_load_tiers, max_offload_tokens)``.
+
+    ``classes``: latency class -> allowed secondary tiers; unknown classes use ``default_class``.
+    ``offload_rule``: ``shared_prefix`` offloads only the shared prefix (rounded down to whole blocks)
+    when it is known, else ``unknown_offload_tokens`` (None = omit the key, the engine offloads all);
+    ``all`` never limits; ``none`` sends 0 (never offload).
+    """
+
+    classes: dict[str, list[Tier]] = field(default_factory=default_classes)
+    default_class: str = "interactive"
+    offload_rule: OffloadRule = "shared_prefix"
+    unknown_offload_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        self.classes = {name: validate_tiers(tiers) for name, tiers in self.classes.items()}
+        if self.default_class not in self.classes:
+            raise ValueError(f"default_class {self.default_class!r} is not one of {sorted(self.classes)}")
+        if self.offload_rule not in ("shared_prefix", "all", "none"):
+            raise ValueError(f"offload_rule must be shared_prefix|all|none, got {self.offload_rule!r}")
+        if self.unknown_offload_tokens is not None and self.unknown_offload_tokens < 0:
+            raise ValueError("unknown_offload_tokens must be >= 0")
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any] | None) -> TierPolicy:
+        """Build from the ``tier_policy`` policy option (a dict with the field names above)."""
+        options = dict(options or {})
+        unknown = set(options) - {"classes", "default_class", "offload_rule", "unknown_offload_tokens"}
+        if unknown:
+            raise ValueError(f"unknown tier_policy options: {sorted(unknown)}")
+        if "classes" in options:
+            options["classes"] = {**default_classes(), **options["classes"]}
+        return cls(**options)
+
+    def load_tiers(self, latency_class: str) -> list[Tier]:
+        tiers = self.classes.get(latency_class, self.classes[self.default_class])
+        return [dict(t) for t in tiers]
+
+    def allows(self, latency_class: str, medium: str, locality: str = "LOCAL") -> bool:
+        """Whether a request of this class may load from ``medium``/``locality`` (local CPU: always)."""
+        if medium == "GPU" or (medium == "CPU" and locality == "LOCAL"):
+            return True
+        return {"medium": medium, "locality": locality} in self.load_tiers(latency_class)
+
+    def max_offload_tokens(self, request: RouteRequest) -> int | None:
+        if self.offload_rule == "all":
+            return None
+        if self.offload_rule == "none":
+            return 0
+        shared = request.shared_prefix_tokens
+        if shared is None:
+            return self.unknown_offload_tokens
+        block = max(1, request.block_size)
+        shared = max(0, shared)
+        if request.prompt_tokens is not None:
+            shared = min(shared, request.prompt_tokens)
+        return shared // block * block
+
+    def apply(self, request: RouteRequest) -> tuple[list[Tier], int | None]:
+        return self.load_tiers(request.latency_class), self.max_offload_tokens(request)

@@ -1,0 +1,78 @@
+"""``kvroute serve``: the router's command line. Flags override the config file and KVROUTE_* variables."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "serve", help="run the OpenAI-compatible router",
+        description="Run the router. The simplest start: kvroute serve --worker http://127.0.0.1:8100 "
+                    "--worker http://127.0.0.1:8101 (models discovered from each worker's /v1/models).")
+    parser.add_argument("--config", metavar="FILE", help="YAML config file (default: $KVROUTE_CONFIG)")
+    parser.add_argument("--worker", metavar="URL", action="append", default=None,
+                        help="worker base URL (repeatable); replaces the config file's worker list")
+    parser.add_argument("--policy", help="routing policy by name (round_robin, least_load, ...)")
+    parser.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="port to bind (default 8000)")
+    parser.add_argument("--admin-token", help="bearer token required by /admin (default: none)")
+    parser.add_argument("--http-client", choices=["auto", "httpx", "aiohttp"], help="upstream HTTP client")
+    parser.add_argument("--max-body-bytes", type=int, help="largest accepted request body")
+    parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="log level")
+    parser.add_argument("--check", action="store_true", help="validate the configuration and exit")
+    parser.set_defaults(func=run)
+    return parser
+
+
+def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
+    """CLI flags as config overrides (None = not given)."""
+    return {
+        "workers": [{"url": url} for url in args.worker] if args.worker else None,
+        "policy": args.policy,
+        "host": args.host,
+        "port": args.port,
+        "admin_token": args.admin_token,
+        "http_client": args.http_client,
+        "max_body_bytes": args.max_body_bytes,
+        "log_level": args.log_level,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvroute.router.config import ConfigError, load_config
+
+    try:
+        config = load_config(args.config, overrides_from(args))
+    except ConfigError as exc:
+        print(f"kvroute serve: {exc}", file=sys.stderr)
+        return 2
+    from kvroute.policies import available_policies
+
+    if config.policy not in available_policies():
+        print(f"kvroute serve: invalid configuration: policy: unknown policy {config.policy!r}; "
+              f"available: {', '.join(available_policies())}", file=sys.stderr)
+        return 2
+    if not config.workers:
+        print("kvroute serve: no workers configured (use --worker URL or a config file); "
+              "workers can also be added later with POST /admin/workers", file=sys.stderr)
+    if args.check:
+        print(config.model_dump_json(indent=2, exclude={"admin_token"}))
+        return 0
+
+    import uvicorn
+    from kvroute.router.app import create_app
+
+    logging.basicConfig(level=config.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        app = create_app(config)
+    except (KeyError, TypeError, ValueError) as exc:
+        print(f"kvroute serve: {exc}", file=sys.stderr)
+        return 2
+    uvicorn.run(app, host=config.host, port=config.port, loop="uvloop", http="httptools",
+                log_level=config.log_level, access_log=False, server_header=False, proxy_headers=False)
+    return 0

@@ -1,0 +1,231 @@
+"""Forwarding one request to one worker and passing the answer back byte for byte.
+
+The forwarder waits until the worker's status and first body bytes are in before anything is sent to
+the client: up to that point a failure (connection refused, the worker hung up) can still be retried on
+another worker. Non-SSE answers are read whole (they are small and it makes usage easy to read); SSE
+answers are streamed chunk by chunk, and a cheap sniffer picks ``usage`` out of the data lines without
+touching the bytes. Closing the upstream response early aborts the worker's request, which is how a
+client disconnect cancels generation.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import orjson
+from kvroute.router.metrics import RouterMetrics
+from kvroute.router.registry import WorkerRegistry
+from kvroute.router.transport import Transport, UpstreamError, UpstreamResponse
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+#: Never forwarded in either direction (RFC 9110 §7.6.1 hop-by-hop, plus what the server recomputes).
+_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
+                  "te", "trailer", "trailers", "transfer-encoding", "upgrade", "host", "content-length"})
+_HOP_RESPONSE = _HOP | {"date", "server"}
+_MAX_PENDING = 1 << 20
+
+
+def upstream_headers(raw: list[tuple[bytes, bytes]], request_id: str) -> list[tuple[str, str]]:
+    """The client's headers minus hop-by-hop ones, with our X-Request-Id and no compression unless asked."""
+    out = [("x-request-id", request_id)]
+    encoding = False
+    for key, value in raw:
+        name = key.decode("latin-1").lower()
+        if name in _HOP or name == "x-request-id":
+            continue
+        if name == "accept-encoding":
+            encoding = True
+        out.append((name, value.decode("latin-1")))
+    if not encoding:
+        # Otherwise the HTTP client adds "gzip, deflate" and we could no longer read usage from the body.
+        out.append(("accept-encoding", "identity"))
+    return out
+
+
+def response_headers(headers: list[tuple[str, str]], request_id: str) -> list[tuple[bytes, bytes]]:
+    out = [(b"x-request-id", request_id.encode("latin-1"))]
+    for key, value in headers:
+        name = key.lower()
+        if name in _HOP_RESPONSE or name == "x-request-id":
+            continue
+        out.append((name.encode("latin-1"), value.encode("latin-1")))
+    return out
+
+
+@dataclass(slots=True)
+class Result:
+    """What the pipeline needs to know once the answer is complete (for metrics and policy.observe)."""
+
+    worker_id: str
+    status: int
+    ttfb_s: float | None = None
+    usage: dict[str, Any] | None = None
+    ok: bool = True
+
+
+Done = Callable[[Result], None]
+
+
+class RawResponse(Response):
+    """A complete body with headers already encoded (skips Starlette's header handling)."""
+
+    def __init__(self, body: bytes, status: int, raw_headers: list[tuple[bytes, bytes]]) -> None:
+        self.body = body
+        self.status_code = status
+        self.background = None
+        self.raw_headers = [*raw_headers, (b"content-length", str(len(body)).encode())]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        await send({"type": "http.response.body", "body": self.body})
+
+
+class RawStreamingResponse(StreamingResponse):
+    """Streams an async iterator with pre-encoded headers (chunked transfer)."""
+
+    def __init__(self, content: AsyncIterator[bytes], status: int,
+                 raw_headers: list[tuple[bytes, bytes]]) -> None:
+        self.body_iterator = content
+        self.status_code = status
+        self.background = None
+        self.raw_headers = raw_headers
+
+
+class UsageSniffer:
+    """Finds the last ``usage`` object in an SSE stream, parsing only the lines that mention it."""
+
+    __slots__ = ("_pending", "usage")
+
+    def __init__(self) -> None:
+        self._pending = b""
+        self.usage: dict[str, Any] | None = None
+
+    def feed(self, chunk: bytes) -> None:
+        data = self._pending + chunk if self._pending else chunk
+        cut = data.rfind(b"\n")
+        if cut < 0:
+            self._pending = data if len(data) < _MAX_PENDING else b""
+            return
+        self._pending = data[cut + 1:]
+        if len(self._pending) >= _MAX_PENDING:
+            self._pending = b""
+        complete = data[:cut]
+        if b'"usage"' not in complete:
+            return
+        for line in complete.split(b"\n"):
+            if line.startswith(b"data:") and b'"usage"' in line:
+                self._take(line[5:])
+
+    def _take(self, payload: bytes) -> None:
+        try:
+            obj = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            return
+        if isinstance(obj, dict) and isinstance(obj.get("usage"), dict):
+            self.usage = obj["usage"]
+
+
+def usage_of(body: bytes) -> dict[str, Any] | None:
+    """``usage`` of a non-streaming JSON answer, or None (not JSON, no usage, compressed...)."""
+    if b'"usage"' not in body:
+        return None
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    usage = obj.get("usage") if isinstance(obj, dict) else None
+    return usage if isinstance(usage, dict) else None
+
+
+@dataclass(slots=True)
+class Opened:
+    """A worker's answer whose status and first bytes are in; nothing has been sent to the client yet."""
+
+    worker_id: str
+    upstream: UpstreamResponse
+    first: bytes
+    #: The rest of an SSE body; None when ``first`` is the whole body.
+    rest: AsyncIterator[bytes] | None
+    ttfb_s: float
+
+
+class Forwarder:
+    """Sends requests to workers through the shared transport, keeping in-flight counts and metrics."""
+
+    def __init__(self, transport: Transport, registry: WorkerRegistry, metrics: RouterMetrics) -> None:
+        self.transport = transport
+        self.registry = registry
+        self.metrics = metrics
+
+    async def open(self, worker_id: str, method: str, path: str, headers: list[tuple[str, str]], body: bytes,
+                   started: float) -> Opened:
+        """Send and wait for the first bytes; UpstreamError only happens before any byte left for us."""
+        state = self.registry.get(worker_id)
+        if state is None:
+            raise UpstreamError("connect", f"worker {worker_id} was removed")
+        self.registry.acquire(worker_id)
+        try:
+            upstream = await self.transport.request(method, state.url + path, headers, body)
+            try:
+                ctype = next((v for k, v in upstream.headers if k.lower() == "content-type"), "")
+                if ctype.startswith("text/event-stream"):
+                    rest: AsyncIterator[bytes] | None = upstream.chunks()
+                    first = await anext(rest, b"")
+                else:
+                    first, rest = await upstream.read(), None
+                    await upstream.aclose()
+            except BaseException:
+                await upstream.aclose()
+                raise
+        except UpstreamError as exc:
+            self.registry.release(worker_id)
+            self.metrics.upstream_errors.labels(worker_id, exc.kind).inc()
+            if exc.kind == "connect":
+                self.registry.record(worker_id, False, str(exc))  # passive health: count it like a probe
+            raise
+        except BaseException:
+            self.registry.release(worker_id)
+            raise
+        return Opened(worker_id, upstream, first, rest, time.perf_counter() - started)
+
+    def respond(self, opened: Opened, request_id: str, done: Done,
+                extra_headers: list[tuple[bytes, bytes]] | None = None) -> Response:
+        """The client's response; ``done`` runs once, when the last byte went out (or the client left)."""
+        headers = response_headers(opened.upstream.headers, request_id)
+        if extra_headers:
+            headers.extend(extra_headers)
+        status = opened.upstream.status
+        if opened.rest is None:
+            self.registry.release(opened.worker_id)
+            done(Result(opened.worker_id, status, opened.ttfb_s, usage_of(opened.first), status < 400))
+            return RawResponse(opened.first, status, headers)
+        return RawStreamingResponse(self._stream(opened, done), status, headers)
+
+    async def _stream(self, opened: Opened, done: Done) -> AsyncIterator[bytes]:
+        sniffer = UsageSniffer()
+        result = Result(opened.worker_id, opened.upstream.status, opened.ttfb_s, ok=False)
+        try:
+            if opened.first:
+                sniffer.feed(opened.first)
+                yield opened.first
+            async for chunk in opened.rest:  # type: ignore[union-attr]
+                sniffer.feed(chunk)
+                yield chunk
+            result.ok = opened.upstream.status < 400
+        except UpstreamError as exc:
+            # Bytes already reached the client: all we can do is end the stream and count the failure.
+            self.metrics.upstream_errors.labels(opened.worker_id, exc.kind).inc()
+        finally:
+            # Shielded: on a client disconnect the task is being cancelled, and the close must still happen
+            # (it is what aborts the worker's generation).
+            with anyio.CancelScope(shield=True):
+                await opened.rest.aclose()  # type: ignore[union-attr]
+                await opened.upstream.aclose()
+            self.registry.release(opened.worker_id)
+            result.usage = sniffer.usage
+            done(result)

@@ -1,0 +1,337 @@
+"""The worker registry: who the workers are, whether they are up, what they serve and how loaded they are.
+
+Workers come from the config and from the admin API at run time. Background tasks probe ``/health``
+(with hysteresis so one slow probe does not flap a worker), discover models from ``/v1/models`` when the
+config does not list them, and scrape vLLM's ``/metrics`` (DESIGN §9). The router's own in-flight counts
+are updated on the hot path and are fresher than any scrape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from kvroute.policies.base import WorkerView
+from kvroute.router.config import WorkerConfig
+from kvroute.router.metrics import RouterMetrics
+from kvroute.router.transport import Transport
+from prometheus_client.parser import text_string_to_metric_families
+
+log = logging.getLogger("kvroute.registry")
+
+#: vLLM metric names (DESIGN §9, counters without "_total") -> attribute of WorkerLoad.
+_SCRAPED = {
+    "vllm:num_requests_running": "running",
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:kv_cache_usage_perc": "kv_usage",
+    "vllm:gpu_cache_usage_perc": "kv_usage",  # older vLLM name
+    "vllm:prefix_cache_queries": "prefix_queries",
+    "vllm:prefix_cache_hits": "prefix_hits",
+}
+
+
+@dataclass(slots=True)
+class WorkerLoad:
+    """Scraped from the worker's /metrics (summed over data-parallel ranks)."""
+
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_usage: float = 0.0
+    prefix_queries: float = 0.0
+    prefix_hits: float = 0.0
+    block_size: int | None = None
+    scraped_at: float | None = None
+
+
+@dataclass(slots=True)
+class WorkerState:
+    """Everything the router knows about one worker."""
+
+    config: WorkerConfig
+    #: None until the first probe answers; then flips only after unhealthy_after/healthy_after results.
+    healthy: bool | None = None
+    discovered_models: list[str] = field(default_factory=list)
+    #: The worker's /v1/models entries by id (served back by the router's /v1/models).
+    model_cards: dict[str, dict[str, object]] = field(default_factory=dict)
+    inflight: int = 0
+    load: WorkerLoad = field(default_factory=WorkerLoad)
+    ok_streak: int = 0
+    fail_streak: int = 0
+    last_error: str | None = None
+    changed_at: float = field(default_factory=time.time)
+    #: The worker's kvroute_worker_inflight gauge child (cached: updated twice per request).
+    inflight_gauge: Any = None
+
+    @property
+    def id(self) -> str:
+        return self.config.worker_id
+
+    @property
+    def url(self) -> str:
+        return self.config.url
+
+    @property
+    def models(self) -> list[str]:
+        return self.config.models or self.discovered_models
+
+    def serves(self, model: str) -> bool:
+        return model in self.models
+
+    def view(self) -> WorkerView:
+        cfg = self.config
+        return WorkerView(id=cfg.worker_id, role=cfg.role, healthy=bool(self.healthy), inflight=self.inflight,
+                          running=int(self.load.running), waiting=int(self.load.waiting),
+                          kv_usage=self.load.kv_usage, p2p_host=cfg.p2p_host, p2p_port=cfg.p2p_port)
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "id": self.id, "url": self.url, "role": self.config.role, "models": self.models,
+            "healthy": self.healthy, "inflight": self.inflight, "running": self.load.running,
+            "waiting": self.load.waiting, "kv_usage": self.load.kv_usage, "block_size": self.load.block_size,
+            "prefix_cache_queries": self.load.prefix_queries, "prefix_cache_hits": self.load.prefix_hits,
+            "last_error": self.last_error, "changed_at": self.changed_at,
+        }
+
+
+def parse_vllm_metrics(text: str) -> WorkerLoad:
+    """Pick DESIGN §9's gauges and counters out of a Prometheus text page; unknown names are ignored."""
+    load = WorkerLoad(scraped_at=time.time())
+    usage: list[float] = []
+    for family in text_string_to_metric_families(text):
+        # Match on sample names: the parser names a counter's family with or without "_total"
+        # depending on how the TYPE line spells it.
+        for sample in family.samples:
+            name = sample.name
+            if name == "vllm:cache_config_info":
+                raw = sample.labels.get("block_size")
+                if raw and raw.isdigit():
+                    load.block_size = int(raw)
+                continue
+            attr = _SCRAPED.get(name[:-6] if name.endswith("_total") else name)
+            if attr is None:
+                continue
+            if attr == "kv_usage":
+                usage.append(float(sample.value))
+            else:
+                setattr(load, attr, getattr(load, attr) + float(sample.value))
+    if usage:
+        load.kv_usage = max(usage)  # the fullest DP rank is what limits admission
+    return load
+
+
+class WorkerRegistry:
+    """Workers by id, their health and load, and the background tasks that keep that fresh."""
+
+    def __init__(self, workers: Iterable[WorkerConfig], transport: Transport, metrics: RouterMetrics, *,
+                 health_interval_s: float = 2.0, metrics_interval_s: float = 1.0, unhealthy_after: int = 2,
+                 healthy_after: int = 1, probe_timeout_s: float = 2.0) -> None:
+        self._workers: dict[str, WorkerState] = {}
+        self._transport = transport
+        self._metrics = metrics
+        self.health_interval_s = health_interval_s
+        self.metrics_interval_s = metrics_interval_s
+        self.unhealthy_after = unhealthy_after
+        self.healthy_after = healthy_after
+        self.probe_timeout_s = probe_timeout_s
+        self._tasks: list[asyncio.Task[None]] = []
+        #: Called with (worker_id, healthy) on each transition (e.g. the indexer purges a dead worker).
+        self.listeners: list = []
+        for cfg in workers:
+            self._insert(cfg)
+
+    # ------------------------------------------------------------------ membership
+
+    def _insert(self, cfg: WorkerConfig) -> WorkerState:
+        if cfg.worker_id in self._workers:
+            raise ValueError(f"worker {cfg.worker_id!r} already exists")
+        state = WorkerState(cfg, inflight_gauge=self._metrics.inflight.labels(cfg.worker_id))
+        self._workers[cfg.worker_id] = state
+        state.inflight_gauge.set(0)
+        self._metrics.healthy.labels(cfg.worker_id).set(0)
+        return state
+
+    async def add(self, cfg: WorkerConfig) -> WorkerState:
+        """Add a worker at run time and probe it at once, so it can take traffic without waiting a period."""
+        state = self._insert(cfg)
+        await self._probe(state)
+        return state
+
+    def remove(self, worker_id: str) -> WorkerState:
+        state = self._workers.pop(worker_id, None)
+        if state is None:
+            raise KeyError(worker_id)
+        self._metrics.forget_worker(worker_id)
+        log.info("worker %s removed", worker_id)
+        return state
+
+    def get(self, worker_id: str) -> WorkerState | None:
+        return self._workers.get(worker_id)
+
+    def all(self) -> list[WorkerState]:
+        return list(self._workers.values())
+
+    def __len__(self) -> int:
+        return len(self._workers)
+
+    # ------------------------------------------------------------------ queries
+
+    def models(self) -> list[str]:
+        """Every model some worker serves (configured or discovered), deduplicated, in first-seen order."""
+        seen: dict[str, None] = {}
+        for state in self._workers.values():
+            for model in state.models:
+                seen.setdefault(model, None)
+        return list(seen)
+
+    def views(self, model: str | None) -> list[WorkerView]:
+        """Healthy workers serving ``model`` (any model when None), as the policies see them."""
+        return [s.view() for s in self._workers.values()
+                if s.healthy and (model is None or s.serves(model))]
+
+    def knows_model(self, model: str) -> bool:
+        return any(s.serves(model) for s in self._workers.values())
+
+    def ready(self, expected_models: Iterable[str] = ()) -> tuple[bool, list[str]]:
+        """Ready when every configured (or else known) model has at least one healthy worker."""
+        models = list(expected_models) or self.models()
+        missing = [m for m in models if not self.views(m)]
+        return bool(models) and not missing, missing
+
+    # ------------------------------------------------------------------ in-flight accounting (hot path)
+
+    def acquire(self, worker_id: str) -> None:
+        state = self._workers.get(worker_id)
+        if state is not None:
+            state.inflight += 1
+            state.inflight_gauge.set(state.inflight)
+
+    def release(self, worker_id: str) -> None:
+        state = self._workers.get(worker_id)
+        if state is not None and state.inflight > 0:
+            state.inflight -= 1
+            state.inflight_gauge.set(state.inflight)
+
+    # ------------------------------------------------------------------ health
+
+    def record(self, worker_id: str, ok: bool, error: str | None = None) -> None:
+        """Count one probe (or a failed forward) and flip the state after enough results in a row."""
+        state = self._workers.get(worker_id)
+        if state is None:
+            return
+        if ok:
+            state.ok_streak += 1
+            state.fail_streak = 0
+            flip = state.healthy is not True and (
+                state.healthy is None or state.ok_streak >= self.healthy_after)
+        else:
+            state.fail_streak += 1
+            state.ok_streak = 0
+            state.last_error = error
+            flip = state.healthy is not False and (
+                state.healthy is None or state.fail_streak >= self.unhealthy_after)
+        if flip:
+            self._transition(state, ok, error)
+
+    def _transition(self, state: WorkerState, healthy: bool, error: str | None) -> None:
+        before = state.healthy
+        state.healthy = healthy
+        state.changed_at = time.time()
+        self._metrics.healthy.labels(state.id).set(1 if healthy else 0)
+        if healthy:
+            log.info("worker %s is up (was %s)", state.id, _word(before))
+        else:
+            log.warning("worker %s is down (was %s): %s", state.id, _word(before), error)
+        for listener in list(self.listeners):
+            try:
+                listener(state.id, healthy)
+            except Exception:
+                log.exception("health listener failed for %s", state.id)
+
+    async def _probe(self, state: WorkerState) -> None:
+        try:
+            status, _ = await self._transport.get(state.url + "/health", self.probe_timeout_s)
+            ok, error = status == 200, f"/health answered {status}"
+        except Exception as exc:  # any failure of a probe is a failed probe, never a crash
+            ok, error = False, f"/health failed: {exc!r}"
+        if ok and not state.config.models and (not state.discovered_models or state.healthy is not True):
+            await self._discover(state)
+        self.record(state.id, ok, None if ok else error)
+
+    async def _discover(self, state: WorkerState) -> None:
+        try:
+            status, body = await self._transport.get(state.url + "/v1/models", self.probe_timeout_s)
+            if status != 200:
+                raise ValueError(f"status {status}")
+            data = orjson.loads(body).get("data", [])
+            cards = {m["id"]: m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)}
+            models = list(cards)
+        except Exception as exc:
+            log.warning("model discovery on %s failed: %r", state.id, exc)
+            return
+        if models != state.discovered_models:
+            log.info("worker %s serves %s", state.id, ", ".join(models) or "nothing")
+            state.discovered_models = models
+        state.model_cards = cards
+
+    async def probe_all(self) -> None:
+        await asyncio.gather(*(self._probe(s) for s in list(self._workers.values())))
+
+    # ------------------------------------------------------------------ load scraping
+
+    async def _scrape(self, state: WorkerState) -> None:
+        if state.healthy is False:
+            return
+        try:
+            status, body = await self._transport.get(state.url + "/metrics", self.probe_timeout_s)
+            if status != 200:
+                return
+            load = parse_vllm_metrics(body.decode("utf-8", "replace"))
+        except Exception as exc:
+            log.debug("metrics scrape of %s failed: %r", state.id, exc)
+            return
+        state.load = load
+        m = self._metrics
+        m.worker_running.labels(state.id).set(load.running)
+        m.worker_waiting.labels(state.id).set(load.waiting)
+        m.worker_kv_usage.labels(state.id).set(load.kv_usage)
+
+    async def scrape_all(self) -> None:
+        await asyncio.gather(*(self._scrape(s) for s in list(self._workers.values())))
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Probe once (so a fresh router is ready as soon as its workers are), then keep probing."""
+        await self.probe_all()
+        await self.scrape_all()
+        self._tasks = [
+            asyncio.create_task(self._loop(self.probe_all, self.health_interval_s), name="health"),
+            asyncio.create_task(self._loop(self.scrape_all, self.metrics_interval_s), name="scrape"),
+        ]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks = []
+
+    @staticmethod
+    async def _loop(step, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await step()
+            except Exception:  # a background task must survive anything a worker sends
+                log.exception("background step failed")
+
+
+def _word(healthy: bool | None) -> str:
+    return "unknown" if healthy is None else ("up" if healthy else "down")

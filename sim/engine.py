@@ -1,0 +1,294 @@
+"""The simulated engine: admission (max running sequences, FCFS, KV space), prefill on a serialised GPU
+timeline, decode steps whose cost grows with the batch, and the KV-transfer hooks.
+
+TTFT = queue wait + remote transfer + CPU-tier promotion + prefill of the uncached tokens; every
+duration is a model duration x ``time_scale``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvroute.indexer.events import BlockHash, KVEvent
+from kvroute.sim.kvcache import Allocation, PagedCache
+from kvroute.sim.kvparams import KVParams
+from kvroute.sim.metrics import SimMetrics
+from kvroute.sim.options import WorkerOptions
+from kvroute.sim.output import output_token_ids
+from kvroute.sim.p2p import P2PClient
+from kvroute.sim.timing import decode_step_seconds, prefill_seconds, promote_seconds
+from kvroute.sim.transfers import Transfers
+
+
+class EngineError(ValueError):
+    """A request the engine cannot serve (an HTTP 400)."""
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    request_id: str
+    prompt: list[int]
+    max_tokens: int
+    stream: bool = False
+    kv: KVParams | None = None
+    cache_salt: str | None = None
+    #: Loop time the request arrived (set by the API); its parsing/tokenizing overlaps the modelled time.
+    arrival: float | None = None
+    # -- filled in by the engine --
+    cached_tokens: int = 0
+    local_hit_tokens: int = 0
+    remote_tokens: int = 0
+    output_tokens: int = 0
+    kv_params_out: dict[str, Any] | None = None
+    ttft_s: float = 0.0
+
+
+@dataclass(slots=True)
+class _Admission:
+    hashes: list[BlockHash]
+    usable: int
+    total_blocks: int
+    future: asyncio.Future[None]
+    alloc: Allocation = field(default_factory=Allocation)
+    n_gpu: int = 0
+    n_cpu: int = 0
+    queued: bool = False
+
+
+class Engine:
+    def __init__(self, opts: WorkerOptions, emit: Callable[[KVEvent], None], client: P2PClient | None,
+                 *, engine_id: str, p2p_host: str, p2p_port: Callable[[], int]) -> None:
+        self.opts = opts
+        self.preset = opts.preset
+        self.cache = PagedCache(self.preset.gpu_blocks, self.preset.block_size, emit,
+                                cpu_blocks=self.preset.cpu_blocks, seed=opts.hash_seed,
+                                hash_bytes=opts.hash_bytes, self_describing=opts.self_describing_events)
+        self.metrics = SimMetrics(opts.model_name, self.preset.block_size, self.preset.gpu_blocks,
+                                  self.preset.cpu_blocks, running=lambda: self.running,
+                                  waiting=lambda: len(self._queue), usage=self.cache.usage)
+        self.transfers = Transfers(self, client)
+        self.engine_id = engine_id
+        self.p2p_host = p2p_host
+        self._p2p_port = p2p_port
+        self.pending: dict[BlockHash, int] = {}
+        self.running = 0
+        self.decoding = 0
+        self.recompute_decisions = 0
+        self._queue: deque[_Admission] = deque()
+        self._gpu_free_at = 0.0
+
+    # -- admission -----------------------------------------------------------------------------------
+
+    def pump(self) -> None:
+        """Admit waiting requests in arrival order while a sequence slot and KV space are free."""
+        while self._queue and self.running < self.preset.max_num_seqs:
+            adm = self._queue[0]
+            if adm.future.done():  # cancelled while waiting
+                self._queue.popleft()
+                continue
+            n_gpu, n_cpu = self.cache.match(adm.hashes[: adm.usable])
+            alloc = Allocation()
+            self.cache.acquire(alloc, adm.hashes[:n_gpu])
+            if not self.cache.reserve(alloc, adm.total_blocks - n_gpu):
+                self.cache.release(alloc)
+                return  # head of line waits for space (FCFS, as vLLM's scheduler)
+            self._queue.popleft()
+            adm.alloc, adm.n_gpu, adm.n_cpu = alloc, n_gpu, n_cpu
+            self.running += 1
+            adm.future.set_result(None)
+
+    def _finish(self, alloc: Allocation) -> None:
+        self.running -= 1
+        self.cache.release(alloc)
+        self.pump()
+
+    # -- one request ---------------------------------------------------------------------------------
+
+    def validate(self, req: EngineRequest) -> None:
+        total = len(req.prompt) + req.max_tokens
+        if not req.prompt:
+            raise EngineError("The prompt is empty.")
+        if total > self.preset.max_model_len:
+            raise EngineError(f"This model's maximum context length is {self.preset.max_model_len} tokens. "
+                              f"However, you requested {total} tokens ({len(req.prompt)} in the messages, "
+                              f"{req.max_tokens} in the completion). Please reduce the length.")
+        if math.ceil(total / self.preset.block_size) > self.preset.gpu_blocks:
+            raise EngineError(f"The request needs {total} tokens of KV cache; this worker holds only "
+                              f"{self.preset.gpu_blocks * self.preset.block_size}.")
+
+    def _extras(self, req: EngineRequest, count: int) -> list[Any] | None:
+        if not req.cache_salt or count == 0:
+            return None
+        return [[req.cache_salt], *([None] * (count - 1))]
+
+    async def generate(self, req: EngineRequest) -> AsyncIterator[int]:
+        """Run one request; yields the number of new output tokens each time some are produced."""
+        self.validate(req)
+        loop = asyncio.get_running_loop()
+        t0 = req.arrival if req.arrival is not None else loop.time()
+        bs = self.preset.block_size
+        n_prompt = len(req.prompt)
+        hashes = self.cache.block_hashes(req.prompt, self._extras(req, n_prompt // bs))
+        usable = (n_prompt - 1) // bs  # vLLM always recomputes at least the last prompt token
+        adm = _Admission(hashes, usable, math.ceil((n_prompt + req.max_tokens) / bs), loop.create_future())
+        self._queue.append(adm)
+        self.pump()
+        adm.queued = not adm.future.done()
+        try:
+            await adm.future
+        except asyncio.CancelledError:
+            if adm.future.done() and not adm.future.cancelled():
+                self._finish(adm.alloc)
+            else:
+                adm.future.cancel()
+            raise
+        alloc = adm.alloc
+        hold = None
+        kv = req.kv
+        computing = hashes[adm.n_gpu:]
+        try:
+            for h in computing:
+                self.pending[h] = self.pending.get(h, 0) + 1
+            if kv is not None and kv.remote_decoder is not None:
+                hold = self.transfers.open_hold("p2p", kv.remote_decoder.kv_request_id)
+            local = adm.n_gpu + adm.n_cpu
+            remote = await self.transfers.load(kv, hashes, local, usable)
+            # The simulator's own CPU time (parsing, tokenizing, hashing) counts as part of the modelled
+            # time, so TTFT stays faithful on a busy machine; a wait or a transfer starts the clock anew.
+            ready = loop.time() if (adm.queued or kv is not None) else t0
+            cached_blocks = local + remote
+            cached = cached_blocks * bs
+            req.local_hit_tokens = local * bs
+            req.remote_tokens = remote * bs
+            req.cached_tokens = cached
+            # Prefill on the GPU timeline: promotion of CPU hits, then the uncached tokens.
+            work = (promote_seconds(self.preset, adm.n_cpu)
+                    + prefill_seconds(self.preset, n_prompt - cached, cached))
+            start = max(ready, self._gpu_free_at)
+            end = start + self.opts.scaled(work)
+            self._gpu_free_at = end
+            await asyncio.sleep(end - loop.time())
+            if adm.n_cpu:
+                self.cache.touch_cpu(hashes[adm.n_gpu:local])
+                self.metrics.promoted_blocks.inc(adm.n_cpu)
+            max_offload = kv.max_offload_tokens if kv is not None else None
+            offload_blocks = None if max_offload is None else max_offload // bs
+            self.cache.store(alloc, hashes[adm.n_gpu:], req.prompt[adm.n_gpu * bs: len(hashes) * bs],
+                             hashes[adm.n_gpu - 1] if adm.n_gpu else None,
+                             extras=self._extras(req, len(hashes))[adm.n_gpu:] if req.cache_salt else None,
+                             offload_blocks=offload_blocks, first_index=adm.n_gpu)
+            self._unmark(computing)
+            computing = []
+            self.metrics.prefix_queries.inc(n_prompt)
+            self.metrics.prefix_hits.inc(adm.n_gpu * bs)
+            self.metrics.prompt_tokens.inc(n_prompt)
+            req.ttft_s = loop.time() - t0
+            self.metrics.ttft.observe(req.ttft_s)
+            if hold is not None:
+                self.transfers.fill_hold(hold, list(hashes), n_prompt, self.opts.kv_lease_s)
+                hold = None
+            req.output_tokens = 1
+            yield 1
+            async for produced in self._decode(req):
+                yield produced
+            self._store_output(req, alloc, hashes, offload_blocks)
+            self._hand_over(req, hashes)
+            self.metrics.generation_tokens.inc(req.output_tokens)
+            self.metrics.e2e.observe(loop.time() - t0)
+            self.metrics.success("length")
+        finally:
+            self._unmark(computing)
+            if hold is not None:  # failed before the blocks existed: nothing to keep
+                self.transfers.drop_hold("p2p", hold.key, hold)
+            self._finish(alloc)
+
+    def _unmark(self, hashes: list[BlockHash]) -> None:
+        for h in hashes:
+            left = self.pending.get(h, 0) - 1
+            if left > 0:
+                self.pending[h] = left
+            else:
+                self.pending.pop(h, None)
+
+    async def _decode(self, req: EngineRequest) -> AsyncIterator[int]:
+        chunk = self.opts.stream_chunk_s if req.stream else self.opts.batch_chunk_s
+        self.decoding += 1
+        try:
+            while req.output_tokens < req.max_tokens:
+                step = self.opts.scaled(decode_step_seconds(self.preset, self.decoding))
+                k = max(1, int(chunk / step)) if step > 0 else req.max_tokens
+                k = min(k, req.max_tokens - req.output_tokens)
+                await asyncio.sleep(step * k)
+                req.output_tokens += k
+                yield k
+        finally:
+            self.decoding -= 1
+
+    def _store_output(self, req: EngineRequest, alloc: Allocation, hashes: list[BlockHash],
+                      offload_blocks: int | None) -> None:
+        """Cache the full blocks the answer completed (the last sampled token has no KV yet)."""
+        bs = self.preset.block_size
+        prompt_full = len(hashes) * bs
+        seq = req.prompt[prompt_full:] + output_token_ids(len(req.prompt), req.output_tokens - 1)
+        if len(seq) < bs:
+            return
+        parent = hashes[-1] if hashes else None
+        extra = self._extras(req, 1) if not hashes else None
+        new = self.cache.block_hashes(seq, extra, parent=parent)
+        self.cache.store(alloc, new, seq[: len(new) * bs], parent, extras=extra,
+                         offload_blocks=offload_blocks, first_index=len(hashes))
+        hashes.extend(new)
+
+    def _hand_over(self, req: EngineRequest, hashes: list[BlockHash]) -> None:
+        """NIXL roles after the answer: a prefiller keeps the prompt for its decoder (lease), a decoder
+        keeps prompt + answer for the next turn (fixed TTL)."""
+        kv = req.kv
+        if kv is None:
+            return
+        bs = self.preset.block_size
+        if kv.do_remote_decode:
+            blocks = hashes[: len(req.prompt) // bs]
+            hold = self.transfers.open_hold("nixl", req.request_id)
+            self.transfers.fill_hold(hold, blocks, len(req.prompt), self.opts.kv_lease_s)
+            req.kv_params_out = self._nixl_params(req.request_id, hold.block_ids, len(req.prompt))
+            return
+        if kv.do_remote_prefill and self.opts.bidirectional_kv_xfer:
+            hold = self.transfers.open_hold("retain", req.request_id)
+            num_tokens = len(req.prompt) + req.output_tokens
+            self.transfers.fill_hold(hold, list(hashes), num_tokens, self.opts.decoder_kv_blocks_ttl)
+            if not req.stream:
+                req.kv_params_out = self._nixl_params(req.request_id, hold.block_ids, num_tokens)
+
+    def _nixl_params(self, request_id: str, block_ids: list[int], num_tokens: int) -> dict[str, Any]:
+        return {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": block_ids,
+                "remote_engine_id": self.engine_id, "remote_request_id": request_id,
+                "remote_host": self.p2p_host, "remote_port": self._p2p_port(),
+                "remote_num_tokens": num_tokens, "tp_size": 1}
+
+    def reset_prefix_cache(self) -> bool:
+        return self.cache.reset()
+
+    def state(self) -> dict[str, Any]:
+        """A debugging snapshot (``GET /sim/state``)."""
+        return {
+            "running": self.running, "waiting": len(self._queue), "decoding": self.decoding,
+            "gpu_cached_blocks": len(self.cache.gpu), "gpu_free_cached_blocks": len(self.cache.lru),
+            "cpu_blocks": len(self.cache.cpu), "reserved_blocks": self.cache.reserved,
+            "kv_cache_usage": self.cache.usage(), "hash_seed": self.cache.seed,
+            "holds": {kind: sorted(holds) for kind, holds in self.transfers.holds.items()},
+            "recompute_decisions": self.recompute_decisions,
+        }
+
+
+async def drain(gen: AsyncIterator[int]) -> None:
+    """Consume a generation to the end (non-streaming answers)."""
+    async for _ in gen:
+        pass
+    with contextlib.suppress(Exception):
+        await gen.aclose()  # type: ignore[attr-defined]

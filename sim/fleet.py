@@ -1,0 +1,112 @@
+"""A fleet of simulated workers in one process and one asyncio loop.
+
+``async with SimFleet(n_workers=4, preset="llama-8b-h100", time_scale=0.05) as fleet:`` then
+``fleet.serve_config()`` is the ``kvroute serve`` configuration that routes to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+import zmq
+import zmq.asyncio
+from kvroute.sim.options import Role, WorkerOptions
+from kvroute.sim.presets import Preset, get_preset
+from kvroute.sim.worker import SimWorker
+
+#: With a base port P, worker i uses P+4i (HTTP), +1 (KV events), +2 (replay), +3 (P2P control).
+PORTS_PER_WORKER = 4
+
+
+class SimFleet:
+    def __init__(self, n_workers: int = 4, preset: str | Preset = "llama-8b-h100", *, time_scale: float = 1.0,
+                 roles: Sequence[Role] | None = None, host: str = "127.0.0.1", base_port: int = 0,
+                 hash_seed: int | None = None, events_connect: str | None = None,
+                 preset_overrides: dict[str, Any] | None = None, **options: Any) -> None:
+        """``roles``: one per worker (cycled if shorter); ``hash_seed``: shared by the whole fleet so P2P
+        peers agree on block hashes (random per fleet when None, like one PYTHONHASHSEED for all);
+        ``events_connect``: workers CONNECT their PUB there (router-bound SUB) instead of binding;
+        ``options``: any other :class:`WorkerOptions` field, applied to every worker."""
+        if n_workers < 1:
+            raise ValueError("n_workers must be >= 1")
+        base = get_preset(preset) if isinstance(preset, str) else preset
+        if preset_overrides:
+            base = base.with_overrides(**preset_overrides)
+        self.preset = base
+        self.time_scale = time_scale
+        self.hash_seed = hash_seed if hash_seed is not None else int.from_bytes(os.urandom(8), "little")
+        self.events_connect = events_connect
+        roles = list(roles or ["both"])
+        self._ctx = zmq.Context()
+        self._actx = zmq.asyncio.Context(self._ctx)
+        template = WorkerOptions(preset=base, host=host, time_scale=time_scale, hash_seed=self.hash_seed)
+        unknown = set(options) - set(WorkerOptions.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown worker options: {sorted(unknown)}")
+        template = replace(template, **options)
+        self.workers: list[SimWorker] = []
+        for i in range(n_workers):
+            ports: dict[str, Any] = {}
+            if base_port:
+                p = base_port + PORTS_PER_WORKER * i
+                ports = {"http_port": p, "events_port": p + 1, "replay_port": p + 2, "p2p_port": p + 3}
+            if events_connect:
+                ports.update(events_mode="connect", events_endpoint=events_connect)
+            opts = replace(template, role=roles[i % len(roles)], **ports)
+            self.workers.append(SimWorker(opts, ctx=self._ctx, actx=self._actx))
+
+    @property
+    def model(self) -> str:
+        return self.workers[0].model
+
+    @property
+    def urls(self) -> list[str]:
+        return [w.url for w in self.workers]
+
+    def __len__(self) -> int:
+        return len(self.workers)
+
+    def __getitem__(self, index: int) -> SimWorker:
+        return self.workers[index]
+
+    def model_config(self) -> dict[str, Any]:
+        """The ``models:`` entry (router/config.py ModelConfig) with the preset's cost-model figures."""
+        p = self.preset
+        return {"name": self.model, "block_size": p.block_size,
+                "prefill_tokens_per_s": p.prefill_tokens_per_s, "attention_coeff_s": p.attention_coeff_s,
+                "bytes_per_token": p.bytes_per_token}
+
+    def serve_config(self, **extra: Any) -> dict[str, Any]:
+        """The ``kvroute serve`` configuration routing to this fleet (``extra`` merged at the top level)."""
+        config: dict[str, Any] = {"workers": [w.worker_config() for w in self.workers],
+                                  "models": [self.model_config()]}
+        if self.events_connect:
+            config["index"] = {"events_bind": self.events_connect}
+        config.update(extra)
+        return config
+
+    async def start(self) -> SimFleet:
+        started: list[SimWorker] = []
+        try:
+            for worker in self.workers:
+                await worker.start()
+                started.append(worker)
+        except BaseException:
+            await asyncio.gather(*(w.stop() for w in started), return_exceptions=True)
+            self._ctx.destroy(linger=0)
+            raise
+        return self
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(w.stop() for w in self.workers), return_exceptions=True)
+        self._ctx.destroy(linger=0)
+
+    async def __aenter__(self) -> SimFleet:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()

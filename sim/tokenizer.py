@@ -1,0 +1,161 @@
+"""Tokenizers the simulated workers (and the router's local tokenizer) agree on.
+
+The built-in scheme needs no download: one token per whitespace-delimited piece, its id a stable hash
+of the piece. It is pure and fast, so the router can import :func:`tokenize` and :func:`encode_chat`
+without starting anything. A real ``tokenizer.json`` (``tokenizers``) with a Jinja chat template is
+optional, for runs that must count tokens like a given model.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import xxhash
+
+#: Ids 0..255 are reserved (specials); pieces hash into the rest of a Llama-3-sized vocabulary.
+VOCAB_SIZE = 128_256
+RESERVED_IDS = 256
+BOS_ID = 1
+
+
+def piece_id(piece: str) -> int:
+    """Stable id of one whitespace-delimited piece (the same in every process, unlike ``hash``)."""
+    return RESERVED_IDS + xxhash.xxh3_64_intdigest(piece.encode()) % (VOCAB_SIZE - RESERVED_IDS)
+
+
+class _PieceCache(dict[str, int]):
+    """piece -> id memo; ``map(cache.__getitem__, ...)`` stays in C for known pieces (hot path)."""
+
+    limit = 1 << 20
+
+    def __missing__(self, piece: str) -> int:
+        if len(self) >= self.limit:
+            self.clear()
+        value = self[piece] = piece_id(piece)
+        return value
+
+
+_PIECES = _PieceCache()
+
+
+def tokenize(text: str) -> list[int]:
+    """Built-in tokenization: one id per whitespace-delimited piece."""
+    return list(map(_PIECES.__getitem__, text.split()))
+
+
+def _content_text(content: Any) -> str:
+    """OpenAI content is a string or a list of parts; only text parts count."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if isinstance(part, Mapping) and part.get("type") == "text":
+                texts.append(str(part.get("text", "")))
+            elif isinstance(part, str):
+                texts.append(part)
+        return " ".join(texts)
+    raise ValueError("message content must be a string or a list of content parts")
+
+
+def render_chat(messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+    """The built-in chat template: ``<|role|> content <|end|>`` per message, then ``<|assistant|>``."""
+    if not isinstance(messages, Sequence) or isinstance(messages, str | bytes):
+        raise ValueError("messages must be a list")
+    parts = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise ValueError(f"messages[{i}] must be an object")
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
+            raise ValueError(f"messages[{i}].role must be a non-empty string")
+        parts.append(f"<|{role}|> {_content_text(message.get('content'))} <|end|>")
+    if add_generation_prompt:
+        parts.append("<|assistant|>")
+    return " ".join(parts)
+
+
+def encode_chat(messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of a chat request under the built-in template (what /tokenize and the engine see)."""
+    return tokenize(render_chat(messages, add_generation_prompt))
+
+
+class Tokenizer(Protocol):
+    """What the simulated worker needs from a tokenizer."""
+
+    name: str
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+                    ) -> list[int]: ...
+
+
+class BuiltinTokenizer:
+    """The default: :func:`tokenize` and :func:`encode_chat`."""
+
+    name = "builtin"
+
+    def encode(self, text: str) -> list[int]:
+        return tokenize(text)
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+                    ) -> list[int]:
+        return encode_chat(messages, add_generation_prompt)
+
+
+class HFTokenizer:
+    """A ``tokenizer.json`` through ``tokenizers``, with a Jinja chat template (from the file or the folder).
+
+    ``path`` is a tokenizer.json or a folder holding it (and optionally ``tokenizer_config.json`` whose
+    ``chat_template`` is used when no template file is given).
+    """
+
+    def __init__(self, path: str | Path, chat_template: str | Path | None = None) -> None:
+        from tokenizers import Tokenizer as _HF
+
+        path = Path(path)
+        folder = path if path.is_dir() else path.parent
+        file = path / "tokenizer.json" if path.is_dir() else path
+        self._tok = _HF.from_file(str(file))
+        self.name = str(file)
+        self._bos: str | None = None
+        template = None
+        if chat_template is not None:
+            template = Path(chat_template).read_text()
+        config = folder / "tokenizer_config.json"
+        if config.exists():
+            data = json.loads(config.read_text())
+            template = template or data.get("chat_template")
+            bos = data.get("bos_token")
+            self._bos = bos.get("content") if isinstance(bos, dict) else bos
+        self._template = None
+        if template:
+            import jinja2
+
+            env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+            self._template = env.from_string(template)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=True).ids
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+                    ) -> list[int]:
+        if self._template is None:
+            return self.encode(render_chat(messages, add_generation_prompt))
+        text = self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+                                     bos_token=self._bos or "")
+        # The template already placed the specials (as vLLM does for chat requests).
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+
+def load_tokenizer(path: str | None = None, chat_template: str | None = None) -> Tokenizer:
+    """The built-in tokenizer, or a tokenizer.json when ``path`` is given."""
+    if not path or path == "builtin":
+        return BuiltinTokenizer()
+    return HFTokenizer(path, chat_template)

@@ -1,0 +1,38 @@
+"""Fixtures of the indexer tests: each backend (memory, and Redis on the private server), an indexer."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+import zmq.asyncio
+from kvroute.indexer.backend import IndexBackend
+from kvroute.indexer.memory import MemoryIndex
+from kvroute.indexer.redis_index import RedisIndex
+from kvroute.indexer.service import KVIndexer
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def backend(request: pytest.FixtureRequest) -> AsyncIterator[IndexBackend]:
+    if request.param == "memory":
+        yield MemoryIndex()
+        return
+    url = request.getfixturevalue("redis_url")
+    index = RedisIndex(url, prefix="t")
+    yield index
+    await index.close()
+
+
+@pytest.fixture
+async def indexer(backend: IndexBackend) -> KVIndexer:
+    idx = KVIndexer(backend)
+    idx.register_worker("a", "m")
+    idx.register_worker("b", "m")
+    return idx
+
+
+@pytest.fixture
+async def zctx() -> AsyncIterator[zmq.asyncio.Context]:
+    ctx = zmq.asyncio.Context()
+    yield ctx
+    ctx.destroy(linger=0)

@@ -1,0 +1,94 @@
+"""Redis going away in the middle of a run: lookups fail clearly, ingestion goes on, the index heals."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import zmq.asyncio
+from kvroute.indexer.backend import IndexUnavailable
+from kvroute.indexer.redis_index import RedisIndex
+from kvroute.indexer.service import KVIndexer
+from kvroute.indexer.subscriber import EventSubscriber, WorkerSpec
+from prometheus_client import REGISTRY
+
+from tests.conftest import RedisServer
+
+from .fakevllm import Chain, Publisher, eventually
+
+PROMPT = list(range(300, 300 + 16 * 8))
+
+
+@pytest.fixture
+def own_redis():  # type: ignore[no-untyped-def]
+    """A Redis this test may stop and start (not the session's shared one)."""
+    server = RedisServer()
+    server.start()
+    yield server
+    server.stop()
+    shutil.rmtree(server.dir, ignore_errors=True)
+
+
+async def test_redis_restart_mid_run(own_redis: RedisServer, zctx: zmq.asyncio.Context) -> None:
+    backend = RedisIndex(own_redis.url, timeout_s=0.5)
+    indexer = KVIndexer(backend)
+    sub = EventSubscriber(indexer, ctx=zctx, grace_s=30)
+    pub = Publisher(zctx)
+    sub.add_worker(WorkerSpec("a", "m", endpoint=pub.endpoint, replay=pub.replay_endpoint))
+    await sub.start()
+    chain = Chain()
+
+    async def blocks() -> int:
+        result = await indexer.lookup_tokens("m", PROMPT)
+        return result.matches["a"].blocks if "a" in result.matches else 0
+
+    try:
+        await pub.wait_subscribed()
+        await pub.publish([chain.store(PROMPT[:64])])
+        await eventually(lambda: _is(blocks(), 4))
+
+        own_redis.stop()
+        with pytest.raises(IndexUnavailable):
+            await indexer.lookup_tokens("m", PROMPT)
+        # Events keep flowing while Redis is down; the subscriber keeps the local view exact.
+        await pub.publish([chain.store(PROMPT, start_block=4)])
+        await pub.publish([chain.remove(PROMPT, [7])])
+
+        async def caught_up() -> bool:
+            return indexer.expected_seq("a") == 3
+
+        await eventually(caught_up)
+        assert not indexer.backend_ok
+        assert REGISTRY.get_sample_value("kvroute_index_backend_up", {"backend": "redis"}) == 0
+        stats = await indexer.stats()
+        assert stats["backend_ok"] is False
+
+        # Redis returns empty (no persistence): the watchdog rewrites every worker from its local view.
+        own_redis.start()
+        await eventually(lambda: indexer.backend_ok, timeout=15)
+        assert await blocks() == 7
+        await pub.publish([chain.remove(PROMPT, [3])])
+        await eventually(lambda: _is(blocks(), 3))
+    finally:
+        await sub.stop()
+        await pub.close()
+        await backend.close()
+
+
+async def _is(coro, value) -> bool:  # type: ignore[no-untyped-def]
+    return await coro == value
+
+
+async def test_unreachable_redis_raises_index_unavailable() -> None:
+    from tests.conftest import free_port
+
+    backend = RedisIndex(f"redis://127.0.0.1:{free_port()}/0", timeout_s=0.3)
+    indexer = KVIndexer(backend, block_sizes={"m": 16})
+    indexer.register_worker("a", "m")
+    with pytest.raises(IndexUnavailable):
+        await indexer.lookup_tokens("m", PROMPT)
+    assert not await backend.ping()
+    # Stats still answer (from the local view) and say the backend is down.
+    stats = await indexer.stats()
+    assert stats["backend_ok"] is False
+    await backend.close()

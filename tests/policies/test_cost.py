@@ -1,0 +1,266 @@
+"""The kvaware cost model on synthetic views: affinity, load, P2P, tiers, P/D, conversation reuse."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from kvroute.indexer.backend import WorkerMatch
+from kvroute.policies import create_policy
+from kvroute.policies.base import NoWorkerError, RouteOutcome, WorkerView
+from kvroute.policies.cost import KvAwarePolicy, usable_run
+
+from tests.policies.util import gpu, request, workers
+
+
+def kvaware(**options: object) -> KvAwarePolicy:
+    policy = create_policy("kvaware", **options)
+    assert isinstance(policy, KvAwarePolicy)
+    return policy
+
+
+def test_prefers_the_worker_holding_the_prefix_when_loads_are_equal() -> None:
+    plan = kvaware().choose(request(8000, gpu("w2", 400)), workers(4))
+    assert (plan.prefill, plan.decode, plan.kv_source) == ("w2", "w2", None)
+    assert plan.predicted_cached_tokens == 6400
+    assert plan.predicted_by_tier == {"GPU": 6400}
+    assert plan.predicted_ttft_s == pytest.approx(plan.breakdown["total_s"])
+    assert plan.policy == "kvaware"
+
+
+def test_load_overrides_affinity() -> None:
+    ws = workers(4)
+    ws[2] = dataclasses.replace(ws[2], inflight=40)
+    plan = kvaware().choose(request(8000, gpu("w2", 400)), ws)
+    assert plan.prefill != "w2"
+    assert "load overrides affinity" in plan.reason
+
+
+def test_no_hot_spot_on_a_popular_prefix() -> None:
+    """Every request shares one prefix held by w0; the queue there soon costs more than recomputing."""
+    policy = kvaware()
+    ws = {w.id: w for w in workers(4)}
+    counts = {wid: 0 for wid in ws}
+    for _ in range(40):
+        plan = policy.choose(request(4000, gpu("w0", 200)), list(ws.values()))
+        counts[plan.prefill] += 1
+        w = ws[plan.prefill]
+        ws[plan.prefill] = dataclasses.replace(w, inflight=w.inflight + 1)
+    assert counts["w0"] < 40
+    assert sum(1 for n in counts.values() if n > 0) >= 3
+
+
+def test_p2p_source_when_fetching_beats_recomputing() -> None:
+    ws = workers(2)
+    ws[1] = dataclasses.replace(ws[1], inflight=20)  # the holder is busy
+    plan = kvaware(kv_protocol="p2p").choose(request(32000, gpu("w1", 1900)), ws)
+    assert (plan.prefill, plan.kv_source) == ("w0", "w1")
+    assert plan.predicted_by_tier == {"REMOTE": 30400}
+    assert plan.breakdown["lookup_s"] > 0 and plan.breakdown["transfer_s"] > 0
+    assert plan.kv_load_tiers == [] and plan.max_offload_tokens is None
+
+
+def test_no_p2p_source_over_a_slow_link() -> None:
+    ws = workers(2)
+    ws[1] = dataclasses.replace(ws[1], inflight=40)  # 4 s of queue: recomputing (3.2 s) is cheaper
+    policy = kvaware(kv_protocol="p2p", default_bandwidth_bytes_per_s=1e6)
+    plan = policy.choose(request(32000, gpu("w1", 1900)), ws)
+    assert plan.prefill == "w0" and plan.kv_source is None
+
+
+def test_no_p2p_without_the_protocol_or_a_peer_endpoint() -> None:
+    ws = workers(2)
+    ws[1] = dataclasses.replace(ws[1], inflight=20)
+    assert kvaware().choose(request(32000, gpu("w1", 1900)), ws).kv_source is None
+    ws[1] = dataclasses.replace(ws[1], p2p_host=None)
+    assert kvaware(kv_protocol="p2p").choose(request(32000, gpu("w1", 1900)), ws).kv_source is None
+
+
+def test_local_cpu_tier_beats_a_remote_peer() -> None:
+    ws = workers(2)
+    ws[1] = dataclasses.replace(ws[1], inflight=20)
+    local = WorkerMatch("w0", blocks=500, cpu=500)
+    plan = kvaware(kv_protocol="p2p").choose(request(8100, local, gpu("w1", 500)), ws)
+    assert plan.prefill == "w0" and plan.kv_source is None
+    assert plan.predicted_by_tier == {"CPU": 8000}
+    assert plan.breakdown["promotion_s"] > 0
+
+
+def test_tier_policy_latency_class_limits_what_counts_as_cached() -> None:
+    ws = workers(1)
+    storage_only = WorkerMatch("w0", blocks=100, storage=100)
+    policy = kvaware(kv_protocol="p2p")
+    interactive = policy.choose(request(3200, storage_only), ws)
+    batch = policy.choose(request(3200, storage_only, latency_class="batch"), ws)
+    assert interactive.predicted_cached_tokens == 0 and interactive.kv_load_tiers == []
+    assert batch.predicted_cached_tokens == 1600 and batch.predicted_by_tier == {"STORAGE": 1600}
+    assert {"medium": "STORAGE", "locality": "LOCAL"} in (batch.kv_load_tiers or [])
+
+
+def test_max_offload_tokens_covers_the_shared_prefix_only() -> None:
+    plan = kvaware(kv_protocol="p2p").choose(request(5000, shared_prefix_tokens=1000), workers(2))
+    assert plan.max_offload_tokens == 992  # whole blocks of 16
+
+
+def test_remote_only_blocks_need_a_remote_tier() -> None:
+    m = WorkerMatch("w0", blocks=10, gpu=4, cpu=6, remote=6)
+    assert usable_run(m, allow_storage=True, allow_remote=False).blocks == 4
+    assert usable_run(m, allow_storage=True, allow_remote=True).blocks == 10
+
+
+def test_pd_pool_splits_long_prompts_and_skips_prefill_for_short_ones() -> None:
+    ws = workers(2, role="prefill", prefix="p") + workers(2, role="decode", prefix="d")
+    policy = kvaware(kv_protocol="nixl")
+    long = policy.choose(request(16000), ws)
+    assert long.prefill.startswith("p") and long.decode.startswith("d")
+    assert long.breakdown["handoff_s"] > 0
+    short = policy.choose(request(200), ws)
+    assert short.prefill == short.decode and short.decode.startswith("d")
+
+
+def test_pd_pool_cached_decoder_prefills_locally_only_below_threshold() -> None:
+    ws = workers(1, role="prefill", prefix="p") + workers(1, role="decode", prefix="d")
+    policy = kvaware(kv_protocol="nixl", pd_split_threshold_tokens=256)
+    plan = policy.choose(request(16000, gpu("d0", 990)), ws)  # 160 uncached at d0
+    assert (plan.prefill, plan.decode) == ("d0", "d0")
+    plan = policy.choose(request(16000, gpu("d0", 900)), ws)  # 1600 uncached: the split pays
+    assert (plan.prefill, plan.decode) == ("p0", "d0")
+
+
+def test_conversation_reuse_needs_enough_reusable_tokens() -> None:
+    ws = workers(2, role="prefill", prefix="p") + workers(2, role="decode", prefix="d")
+    policy = kvaware(kv_protocol="nixl")
+    plan = policy.choose(request(24000, conversation_reusable_tokens=23000, conversation_worker="d1"), ws)
+    assert plan.reuse_conversation and plan.prefill.startswith("p")
+    assert plan.predicted_by_tier == {"REMOTE": 23000}
+    few = policy.choose(request(24000, conversation_reusable_tokens=32, conversation_worker="d1"), ws)
+    assert not few.reuse_conversation
+    gone = policy.choose(request(24000, conversation_reusable_tokens=23000, conversation_worker="d9"), ws)
+    assert not gone.reuse_conversation
+
+
+def test_nearly_full_kv_cache_makes_gpu_hits_less_likely() -> None:
+    ws = workers(2)
+    ws[0] = dataclasses.replace(ws[0], kv_usage=1.0)
+    plan = kvaware().choose(request(8000, gpu("w0", 400), gpu("w1", 400)), ws)
+    assert plan.prefill == "w1"
+
+
+def test_attention_term_makes_long_contexts_cost_more() -> None:
+    flat = kvaware().choose(request(32000), workers(1))
+    quadratic = kvaware(attention_coeff_s=1e-5).choose(request(32000), workers(1))
+    assert quadratic.breakdown["prefill_s"] > flat.breakdown["prefill_s"]
+
+
+def test_per_model_parameters() -> None:
+    policy = kvaware(models={"m": {"prefill_tokens_per_s": 1000.0}})
+    assert policy.choose(request(1000), workers(1)).breakdown["prefill_s"] == pytest.approx(1.0)
+
+
+def test_explain_lists_every_candidate_with_a_breakdown_best_first() -> None:
+    plan = kvaware(kv_protocol="p2p").choose(request(8000, gpu("w1", 100)), workers(3))
+    assert plan.candidates and plan.candidates[0].prefill == plan.prefill
+    scores = [c.score for c in plan.candidates]
+    assert scores == sorted(scores)
+    for c in plan.candidates:
+        terms = {"queue_s", "lookup_s", "transfer_s", "promotion_s", "prefill_s", "handoff_s", "total_s"}
+        assert terms <= set(c.breakdown)
+    explained = plan.to_dict()
+    assert explained["candidates"][0]["breakdown"]["total_s"] == pytest.approx(plan.predicted_ttft_s)
+
+
+def test_cached_tokens_never_reach_the_whole_prompt() -> None:
+    plan = kvaware().choose(request(1600, gpu("w0", 100)), workers(1))
+    assert plan.predicted_cached_tokens == 1599
+
+
+def test_unhealthy_and_missing_workers() -> None:
+    with pytest.raises(NoWorkerError):
+        kvaware().choose(request(100), [])
+    with pytest.raises(NoWorkerError):
+        kvaware().choose(request(100), [WorkerView(id="x", healthy=False)])
+    with pytest.raises(NoWorkerError):
+        kvaware().choose(request(100), workers(2, role="prefill"))
+
+
+@pytest.mark.parametrize("options", [
+    {"no_such_option": 1}, {"prefill_tokens_per_s": 0}, {"kv_protocol": "tcp"}, {"still_there": {"GPU": 2}},
+    {"link_bandwidth_bytes_per_s": {"ab": 1.0}}, {"models": {"m": {"speed": 1}}}, {"tier_policy": {"x": 1}},
+])
+def test_bad_options_are_refused_with_a_clear_error(options: dict[str, object]) -> None:
+    with pytest.raises(ValueError):
+        create_policy("kvaware", **options)
+
+
+def test_calibration_learns_prefill_speed_and_counts_stale_decisions() -> None:
+    clock = [0.0]
+    policy = kvaware(now=lambda: clock[0])
+    req = request(10000, gpu("w0", 100))
+    plan = policy.choose(req, workers(1))
+    predicted = plan.breakdown["prefill_s"]
+    for _ in range(30):  # the engine is twice as slow as configured, and had nothing cached
+        policy.observe(RouteOutcome("r1", "m", plan, prompt_tokens=10000, cached_tokens=0,
+                                    ttft_s=2 * 10000 / 10_000.0))
+    again = policy.choose(req, workers(1))
+    assert again.breakdown["prefill_s"] > 1.5 * predicted
+    fb = policy.feedback
+    assert fb.decisions == 30 and fb.stale_decisions == 30
+    assert fb.predicted_by_tier["GPU"] == 30 * 1600
+    assert policy.stale_rate() == 1.0
+    clock[0] = 1000.0
+    assert policy.stale_rate() == 0.0  # outside the window
+    assert policy.calibrator.hit_ratio < 0.1
+
+
+def test_calibration_can_be_turned_off() -> None:
+    policy = kvaware(calibrate=False)
+    plan = policy.choose(request(10000), workers(1))
+    policy.observe(RouteOutcome("r1", "m", plan, prompt_tokens=10000, cached_tokens=0, ttft_s=50.0))
+    assert policy.choose(request(10000), workers(1)).breakdown["prefill_s"] == plan.breakdown["prefill_s"]
+    assert policy.feedback.decisions == 0
+
+
+def test_per_link_bandwidth_changes_the_transfer_term() -> None:
+    ws = workers(2)
+    ws[1] = dataclasses.replace(ws[1], inflight=20)
+    fast = kvaware(kv_protocol="p2p").choose(request(32000, gpu("w1", 1900)), ws)
+    assert fast.kv_source == "w1"
+    slow_policy = kvaware(kv_protocol="p2p", link_bandwidth_bytes_per_s={"w1->w0": 1e9})
+    slow = slow_policy.explain(request(32000, gpu("w1", 1900)), ws)
+    assert slow.kv_source is None  # 3.5 s over that link: recomputing is cheaper
+    fetch = next(c for c in slow.candidates if c.kv_source == "w1")
+    assert fetch.breakdown["transfer_s"] > 10 * fast.breakdown["transfer_s"]
+
+
+def test_explain_keeps_every_candidate_and_learns_nothing() -> None:
+    policy = kvaware(kv_protocol="p2p")
+    ws = workers(6)
+    req = request(8000, gpu("w1", 100), gpu("w2", 300))
+    assert len(policy.choose(req, ws).candidates) == 8
+    full = policy.explain(req, ws)
+    assert len(full.candidates) > 8 and full.prefill == policy.choose(req, ws).prefill
+    assert policy.feedback.decisions == 0
+
+
+def test_queue_term_replays_the_work_this_policy_sent() -> None:
+    """Work this policy sent counts by its predicted remaining time; unknown work by load x service time."""
+    clock = [0.0]
+    policy = kvaware(now=lambda: clock[0], calibrate=False)
+    ws = {w.id: w for w in workers(2)}
+
+    def queue_at_w0(request_id: str) -> float:
+        plan = policy.explain(request(20000, gpu("w0", 1250), request_id=request_id), list(ws.values()))
+        return next(c for c in plan.candidates if c.prefill == "w0").breakdown["queue_s"]
+
+    first = policy.choose(request(20000, gpu("w0", 1250), request_id="a"), list(ws.values()))
+    assert first.prefill == "w0"
+    service = first.breakdown["total_s"] - first.breakdown["queue_s"]
+    ws["w0"] = dataclasses.replace(ws["w0"], inflight=1)
+    clock[0] = 0.01
+    assert queue_at_w0("x") == pytest.approx(service - 0.01)
+    clock[0] = 10.0  # overdue: predicted to be done, still in flight
+    assert queue_at_w0("y") == 0.0
+    policy.observe(RouteOutcome("a", "m", first, 20000, 19999, 0.1))
+    assert queue_at_w0("z") == pytest.approx(0.1)  # one request in flight we know nothing about
+    ws["w0"] = dataclasses.replace(ws["w0"], inflight=0)
+    assert queue_at_w0("w") == 0.0

