@@ -27,7 +27,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import msgspec
-
 from kvroute.indexer.events import BlockStored, decode_batch, encode_batch, encode_seq
 from kvroute.indexer.keys import chain_keys, request_keys, root_key
 from kvroute.indexer.memory import MemoryIndex
@@ -55,19 +54,23 @@ def make_stream(workers: int, blocks_per_worker: int, blocks_per_event: int, eve
         stored = 0
         batch: list[BlockStored] = []
         parent: int | None = None
+        system_tail: int | None = None
         tokens = list(system)
         pos = 0
         while stored < blocks_per_worker:
             if pos * BS >= len(tokens):
-                # A new request: same system prompt, fresh user part.
+                # A new request: the system prompt is cached already (vLLM does not store it again), so
+                # its events start after it, chained to the system prompt's last block.
                 tokens = system + [rng.randrange(32000) for _ in range(BS * 192)]
-                pos, parent = 0, None
+                pos, parent = 64, system_tail
             n = min(blocks_per_event, len(tokens) // BS - pos, blocks_per_worker - stored)
             hashes = [rng.getrandbits(64) for _ in range(n)]
             batch.append(BlockStored(block_hashes=hashes, parent_block_hash=parent,
                                      token_ids=tokens[pos * BS:(pos + n) * BS], block_size=BS))
             parent = hashes[-1]
             pos += n
+            if system_tail is None and pos == 64:
+                system_tail = parent
             stored += n
             if len(batch) == events_per_batch or stored >= blocks_per_worker:
                 messages.append((wid, [b"", encode_seq(seq), encode_batch(time.time(), batch)]))
@@ -91,7 +94,8 @@ def lookup_setup(workers: int, seed: int = 2) -> tuple[list[int], dict[str, int]
     """A 32k-token prompt and, per worker, how many of its leading blocks it holds."""
     rng = random.Random(seed)
     prompt = [rng.randrange(32000) for _ in range(PROMPT_BLOCKS * BS)]
-    depths = {f"w{i}": (PROMPT_BLOCKS if i % 4 == 0 else rng.randrange(1, PROMPT_BLOCKS)) for i in range(workers)}
+    depths = {f"w{i}": PROMPT_BLOCKS if i % 4 == 0 else rng.randrange(1, PROMPT_BLOCKS)
+              for i in range(workers)}
     return prompt, depths
 
 
@@ -145,7 +149,7 @@ class DictWalk:
         else:
             i = len(keys)
         for w in alive or ():
-            result[w] = i if holders else i
+            result[w] = i
         return result
 
 
@@ -233,7 +237,7 @@ tree = RadixTree()
 for i, (w, depth) in enumerate(spec["held"]):
     keys = spec["prompt_keys"][:depth]
     tree.apply_event(w, json.dumps({"event_id": i, "data": {"stored": {"parent_hash": None, "blocks": [
-        {"block_hash": 10**6 * (w + 1) + j, "tokens_hash": k} for j, k in enumerate(keys)]}}}).encode())
+        {"block_hash": k, "tokens_hash": k} for k in keys]}}}).encode())
 times = []
 for _ in range(spec["rounds"]):
     t0 = time.perf_counter()
@@ -245,7 +249,8 @@ print(json.dumps(out))
 """
 
 
-def dynamo_run(python: str, messages: list[tuple[str, list[bytes]]], workers: int, rounds: int) -> dict | None:
+def dynamo_run(python: str, messages: list[tuple[str, list[bytes]]], workers: int,
+               rounds: int) -> dict | None:
     """Run Dynamo's RadixTree on the same workload in its own interpreter."""
     ingest = []
     alias: dict[str, dict[int, int]] = {}
@@ -258,8 +263,11 @@ def dynamo_run(python: str, messages: list[tuple[str, list[bytes]]], workers: in
                 parent = root if event.parent_block_hash is None else table[event.parent_block_hash]
                 keys = chain_keys(event.token_ids, BS, parent)
                 table.update(zip(event.block_hashes, keys, strict=False))
-                ingest.append((int(wid[1:]), event.parent_block_hash, event.block_hashes,
-                               [k & ((1 << 63) - 1) for k in keys]))
+                # Dynamo deployments give every engine the same PYTHONHASHSEED, so one block has one
+                # external hash fleet-wide; its tree relies on that. Our chained key plays that part.
+                masked = [k & ((1 << 63) - 1) for k in keys]
+                parent_masked = None if event.parent_block_hash is None else parent & ((1 << 63) - 1)
+                ingest.append((int(wid[1:]), parent_masked, masked, masked))
     prompt, depths = lookup_setup(workers)
     prompt_keys = [k & ((1 << 63) - 1) for k in request_keys(prompt, BS, MODEL)]
     spec = {"ingest": ingest, "held": [(int(w[1:]), d) for w, d in depths.items()],
@@ -309,7 +317,8 @@ async def flushed(url: str) -> RedisIndex:
 
 
 async def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smaller workload (a smoke run)")
     parser.add_argument("--redis-url", help="an existing Redis to use (it is FLUSHED)")
     parser.add_argument("--no-redis", action="store_true")
@@ -350,7 +359,8 @@ async def main() -> None:
                     red_s = min([await ingest_ours(await flushed(url), redis_messages, workers)
                                  for _ in range(2)])
                     row(f"ingest redis, {workers} workers, {shape} (blocks/s)", f"{redis_total / red_s:,.0f}",
-                        f"dict-walk {total / base_s:,.0f}", f"{(redis_total / red_s) / (total / base_s):.2f}x")
+                        f"dict-walk {total / base_s:,.0f}",
+                        f"{(redis_total / red_s) / (total / base_s):.2f}x")
             full, keys_only, _ = await lookups_ours(MemoryIndex(), workers, rounds)
             base = lookups_dictwalk(workers, rounds)
             for label, ours in (("tokens->keys->lookup", full), ("lookup (keys given)", keys_only)):

@@ -52,6 +52,36 @@ uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), loop="uvloop", http="h
 '''
 
 
+#: The floor of any Python proxy on this stack: a raw ASGI callable forwarding with one aiohttp session
+#: (no routing, validation, metrics or policy).
+BARE = r'''
+import sys, uvicorn, aiohttp
+UP = sys.argv[2]
+HEADERS = {"content-type": "application/json"}
+session = None
+
+async def app(scope, receive, send):
+    global session
+    if scope["type"] != "http":
+        return
+    if session is None:
+        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1024), auto_decompress=False)
+    body, more = b"", True
+    while more:
+        message = await receive()
+        body += message.get("body", b"")
+        more = message.get("more_body", False)
+    async with session.request(scope["method"], UP + scope["path"], data=body or None, headers=HEADERS) as r:
+        data = await r.read()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+    await send({"type": "http.response.start", "status": r.status, "headers": headers})
+    await send({"type": "http.response.body", "body": data})
+
+uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), loop="uvloop", http="httptools",
+            log_level="error", access_log=False, lifespan="off")
+'''
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -126,6 +156,13 @@ def start_kvroute(client: str, upstream: str) -> Target:
     return Target(f"kvroute[{client}]", f"http://127.0.0.1:{port}", proc)
 
 
+def start_bare(upstream: str) -> Target:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-c", BARE, str(port), upstream])
+    wait_port(port, proc)
+    return Target("bare-asgi-aiohttp", f"http://127.0.0.1:{port}", proc)
+
+
 def start_rust_router(name: str, command: list[str], upstream: str) -> Target:
     """vllm-router and SGLang's smg take the same basic flags (--worker-urls, --policy, --host, --port)."""
     port = free_port()
@@ -152,6 +189,7 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=3000)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--clients", nargs="+", default=["httpx", "aiohttp"])
+    parser.add_argument("--bare", action="store_true", help="also measure a bare ASGI+aiohttp proxy (floor)")
     parser.add_argument("--vllm-router", metavar="PATH", help="vllm-router binary to measure as well")
     parser.add_argument("--smg", metavar="PATH", help="SGLang's smg binary (`smg launch ...`) to measure too")
     args = parser.parse_args()
@@ -163,6 +201,8 @@ def main() -> int:
         wait_port(up_port, upstream)
         up_url = f"http://127.0.0.1:{up_port}"
         targets.append(Target("direct", up_url))
+        if args.bare:
+            targets.append(start_bare(up_url))
         targets.extend(start_kvroute(c, up_url) for c in args.clients)
         if args.vllm_router:
             targets.append(start_rust_router("vllm-router", [args.vllm_router], up_url))

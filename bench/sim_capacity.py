@@ -147,6 +147,31 @@ async def _prefill_check(preset_name: str, tokens: int, repeats: int) -> tuple[f
     return tokens / median, tokens / prefill_seconds(preset, tokens, 0), preset.prefill_tokens_per_s
 
 
+async def _affinity_check(workers: int, time_scale: float, seed: int) -> list[tuple[str, dict[str, object]]]:
+    """Same agentic trace, dispatched client-side two ways: sticky sessions vs round-robin requests."""
+    import itertools
+
+    from kvroute.sim.fleet import SimFleet
+    from kvroute.sim.replay import replay
+    from kvroute.sim.traces import agentic_trace
+
+    trace = agentic_trace(seed, sessions=12, steps=(8, 16), arrival_rate=2.0)
+    out = []
+    async with SimFleet(workers, "llama-8b-h100", time_scale=time_scale) as fleet:
+        urls = fleet.urls
+        counter = itertools.count()
+        index = {s.id: i for i, s in enumerate(trace.sessions)}
+        targets = {
+            "round-robin": lambda session, turn: urls[next(counter) % len(urls)],
+            "sticky": lambda session, turn: urls[index[session.id] % len(urls)],
+        }
+        for name, target in targets.items():
+            fleet.reset()
+            report = await replay(trace, target, time_scale=time_scale)
+            out.append((name, report.summary()))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", type=int, nargs="+", default=[8, 16])
@@ -157,7 +182,23 @@ def main() -> None:
     ap.add_argument("--shared-prefix", type=int, default=800, help="prompt words shared by all requests")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--prefill-check", action="store_true", help="measure prefill rates at time scale 1")
+    ap.add_argument("--affinity-check", action="store_true",
+                    help="agentic trace, sticky vs round-robin dispatch: does the twin reward affinity?")
     args = ap.parse_args()
+    if args.affinity_check:
+        n = args.workers[0]
+        print(f"# affinity check: agentic trace (12 sessions, 8-16 steps), {n} workers, llama-8b-h100, "
+              f"time scale {args.time_scale}; TTFT in model seconds (real / scale)")
+        results = asyncio.run(_affinity_check(n, args.time_scale, 0))
+        print(f"{'dispatch':>12} {'requests':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'cached ratio':>13}")
+        s = args.time_scale
+        for name, summary in results:
+            print(f"{name:>12} {summary['requests']:>9} {summary['ttft_p50_s'] / s:>9.3f} "  # type: ignore[operator]
+                  f"{summary['ttft_p99_s'] / s:>9.3f} {summary['cached_token_ratio']:>13.3f}")  # type: ignore[operator]
+        rr, sticky = results[0][1], results[1][1]
+        print(f"# sticky / round-robin TTFT p50: {sticky['ttft_p50_s'] / rr['ttft_p50_s']:.2f}, "  # type: ignore[operator]
+              f"p99: {sticky['ttft_p99_s'] / rr['ttft_p99_s']:.2f}")  # type: ignore[operator]
+        return
     if args.prefill_check:
         print("# prefill check: uncached 2048-token prompts, time scale 1, median of 7 TTFTs")
         print(f"{'preset':>16} {'nominal tok/s':>14} {'model tok/s':>12} {'measured tok/s':>15} "

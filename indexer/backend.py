@@ -79,6 +79,13 @@ class IndexBackend(ABC):
     async def worker_stats(self) -> list[WorkerIndexStats]:
         """Blocks per worker, model and tier."""
 
+    async def get_block_size(self, model: str) -> int | None:
+        """The block size a writer published for ``model`` (shared backends); None when unknown."""
+        return None
+
+    async def set_block_size(self, model: str, block_size: int) -> None:  # noqa: B027 - optional hook
+        """Publish the block size learnt for ``model`` so readers of a shared index can key requests."""
+
     async def ping(self) -> bool:
         """True when the backend can serve lookups right now."""
         return True

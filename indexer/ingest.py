@@ -53,7 +53,7 @@ class BatchResult:
 class ModelInfo:
     """Per-model facts the key chain needs: its root key and its block size (learnt or configured)."""
 
-    __slots__ = ("block_size", "name", "on_learn", "root")
+    __slots__ = ("block_size", "name", "next_ask", "on_learn", "published", "root")
 
     def __init__(self, name: str, block_size: int | None = None,
                  on_learn: Callable[[str, int], None] | None = None) -> None:
@@ -61,6 +61,9 @@ class ModelInfo:
         self.root = root_key(name)
         self.block_size = block_size
         self.on_learn = on_learn
+        #: Whether the block size was written to the backend for readers; when to ask it again.
+        self.published = False
+        self.next_ask = 0.0
 
 
 def _bump(counter: dict[str, int], name: str, n: int = 1) -> None:

@@ -146,6 +146,13 @@ class RedisIndex(IndexBackend):
                 out.append(WorkerIndexStats(worker.decode(), model, blocks, by_tier))
         return out
 
+    async def get_block_size(self, model: str) -> int | None:
+        value = await self._call("hget", self.redis.hget(self._k(model, "meta"), "block_size"))
+        return int(value) if value else None
+
+    async def set_block_size(self, model: str, block_size: int) -> None:
+        await self._call("hset", self.redis.hset(self._k(model, "meta"), "block_size", block_size))
+
     async def ping(self) -> bool:
         try:
             return bool(await self.redis.ping())

@@ -299,6 +299,9 @@ class KVIndexer:
             if result.ops and not self._dirty:
                 try:
                     await self.backend.apply(ent.model.name, ent.id, result.ops)
+                    if not ent.model.published and ent.model.block_size:
+                        await self.backend.set_block_size(ent.model.name, ent.model.block_size)
+                        ent.model.published = True
                 except IndexUnavailable as exc:
                     self._backend_failed("apply", exc)
         for kind, count in result.received.items():
@@ -342,6 +345,9 @@ class KVIndexer:
             try:
                 for ent in list(self._entities.values()):
                     await self.backend.apply(ent.model.name, ent.id, ent.state.snapshot_ops())
+                for info in self._models.values():
+                    if info.block_size and info.published:
+                        await self.backend.set_block_size(info.name, info.block_size)
             except IndexUnavailable as exc:
                 self._backend_failed("recover", exc)
                 return False
@@ -435,11 +441,29 @@ class KVIndexer:
     async def lookup_tokens(self, model: str, token_ids: Sequence[int], lora_name: str | None = None,
                             cache_salt: str | None = None) -> LookupResult:
         """Per worker entity, how much of this prompt's prefix it holds. Raises IndexUnavailable."""
+        if self.block_size(model) is None:
+            await self._ask_block_size(model)
         size, keys = self.request_keys(model, token_ids, lora_name, cache_salt)
         result = LookupResult(model, size, len(keys), keys=keys)
         if keys:
             result.matches = await self.lookup_keys(model, keys)
         return result
+
+    async def _ask_block_size(self, model: str) -> None:
+        """A reader of a shared index learns block sizes from the writer (asked at most every 5 s)."""
+        info = self.model_info(model)
+        now = time.monotonic()
+        if now < info.next_ask:
+            return
+        info.next_ask = now + 5.0
+        try:
+            size = await self.backend.get_block_size(model)
+        except IndexUnavailable as exc:
+            metrics.BACKEND_ERRORS.labels(self.backend.name, "block_size").inc()
+            raise exc from None
+        if size and info.block_size is None:
+            info.block_size = size
+            info.published = True
 
     async def lookup_keys(self, model: str, keys: Sequence[int]) -> dict[str, WorkerMatch]:
         start = time.perf_counter()

@@ -45,8 +45,9 @@ class WorkerView:
 
     @property
     def load(self) -> int:
-        """Outstanding work: the larger of what we sent and what the engine reports, plus its queue."""
-        return max(self.inflight, self.running) + self.waiting
+        """Outstanding work: what we sent, or what the engine reports (running + waiting) when that is more
+        (other clients, or requests we sent that it still holds). Never both: that would count twice."""
+        return max(self.inflight, self.running + self.waiting)
 
 
 @dataclass(slots=True)

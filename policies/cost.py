@@ -7,8 +7,9 @@ For every candidate plan (prefill worker x optional kv-source peer or conversati
 
 Each predicted hit counts with the probability that it is still there (per tier, lower on a worker
 whose KV cache is nearly full, scaled by the calibrated hit ratio), so a lagging index costs a little
-expected time instead of a bad bet. Queue wait is ``load x recent service time``: a worker holding a
-popular prefix stops winning once its queue costs more than recomputing elsewhere (load beats affinity).
+expected time instead of a bad bet. Queue wait replays the requests this policy sent to the worker as
+a FIFO queue of their predicted service times (work sent by others counts ``load x service time``): a
+worker holding a popular prefix stops winning once its queue costs more than recomputing elsewhere.
 
 Tiers along a cached run are assumed ordered GPU, then CPU, then STORAGE, as eviction takes a
 sequence's tail first; tiers the request may not read (tier policy) cut the usable run there.
@@ -17,6 +18,7 @@ sequence's tail first; tiers the request may not read (tier policy) cut the usab
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -133,6 +135,7 @@ class KvAwarePolicy(Policy):
             calib_opts["now"] = now
         self.calibrator = Calibrator(**calib_opts)
         self.tiers = TierPolicy.from_options(self.params.tier_policy)
+        self._models: dict[str, ModelCost] = {}
         #: Per worker: (sent at, predicted service seconds) of the requests this policy sent there, oldest
         #: first, until their outcome is observed: a virtual FIFO queue for the queue term.
         self._pending: dict[str, OrderedDict[str, tuple[float, float]]] = {}
@@ -158,7 +161,8 @@ class KvAwarePolicy(Policy):
         """The best plan, with the best ``explain_limit`` candidates attached."""
         plan = self._decide(request, workers, self.params.explain_limit)
         pending = self._pending.setdefault(plan.prefill, OrderedDict())
-        service = plan.breakdown["total_s"] - plan.breakdown["queue_s"]
+        bd = plan.breakdown  # the prefill worker is busy for all but the queue and the handoff
+        service = bd["total_s"] - bd["queue_s"] - bd["handoff_s"] - bd["decode_queue_s"]
         pending[request.request_id] = (self.calibrator.now(), service)
         while len(pending) > self.params.max_pending:
             pending.popitem(last=False)
@@ -173,7 +177,7 @@ class KvAwarePolicy(Policy):
         if not healthy:
             raise NoWorkerError("no healthy worker for this model")
         ctx = self._context(request, healthy)
-        options = self._candidates(ctx, healthy)
+        options = self._candidates(ctx, healthy, limit)
         if not options:
             raise NoWorkerError("no worker with the needed role")
         options.sort(key=_Option.key)
@@ -189,15 +193,22 @@ class KvAwarePolicy(Policy):
         allow_storage = self.tiers.allows(cls, "STORAGE") if p2p else True
         allow_remote = p2p and (self.tiers.allows(cls, "CPU", "REMOTE")
                                 or self.tiers.allows(cls, "STORAGE", "REMOTE"))
-        model = prm.model(request.model)
+        model = self._models.get(request.model)
+        if model is None:
+            model = self._models[request.model] = prm.model(request.model)
         prompt = max(0, request.prompt_tokens or 0)
         cap = max(0, prompt - 1)  # the engine always computes at least the last prompt token
         block = max(1, request.block_size)
         ratio = self.calibrator.hit_ratio
         bpt = model.bytes_per_token
+        p_remote = self._still_there(None, "REMOTE", ratio)
         locals_: dict[str, _Local] = {}
         for w in healthy:
             match = request.matches.get(w.id)
+            if match is None or match.blocks <= 0:  # the common case on a large pool: nothing cached
+                locals_[w.id] = _Local(worker=w, tokens={}, cached=0, expected=0.0, promotion_s=0.0,
+                                       queue_s=self._queue_s(w), peer_tokens=0, peer_prob=p_remote)
+                continue
             run = usable_run(match, allow_storage, allow_remote)
             tokens: dict[str, int] = {}
             left = cap
@@ -209,15 +220,17 @@ class KvAwarePolicy(Policy):
             exp = {t: n * self._still_there(w, t, ratio) for t, n in tokens.items()}
             promotion = (exp.get("CPU", 0.0) * bpt / prm.promotion_cpu_bytes_per_s
                          + exp.get("STORAGE", 0.0) * bpt / prm.promotion_storage_bytes_per_s)
-            served = 0 if match is None else max(0, match.blocks - max(0, match.remote)) * block
+            served = max(0, match.blocks - max(0, match.remote)) * block
             locals_[w.id] = _Local(
                 worker=w, tokens=tokens, cached=cap - left, expected=sum(exp.values()), promotion_s=promotion,
-                queue_s=self._queue_s(w),
-                peer_tokens=min(cap, served), peer_prob=self._still_there(w, "REMOTE", ratio))
+                queue_s=self._queue_s(w), peer_tokens=min(cap, served), peer_prob=p_remote)
         return _Ctx(request=request, model=model, prompt=prompt, cap=cap,
                     scale=self.calibrator.prefill_scale(request.model), locals=locals_)
 
-    def _candidates(self, ctx: _Ctx, healthy: list[WorkerView]) -> list[_Option]:
+    def _candidates(self, ctx: _Ctx, healthy: list[WorkerView], limit: int | None) -> list[_Option]:
+        """Every plan worth weighing. With a ``limit``, prefill workers are visited by a lower bound of
+        their cost (queue + prefill of what no source could supply) and the visit stops once that bound
+        cannot beat the ``limit``-th best plan found: the best ``limit`` plans are still exact."""
         prm = self.params
         protocol = prm.kv_protocol
         # Separate prefill and decode need a transfer protocol; P2P decoders pull from the prefiller's port.
@@ -229,9 +242,17 @@ class KvAwarePolicy(Policy):
                      and lw.peer_tokens > 0]
             peers.sort(key=lambda lw: (-lw.peer_tokens, lw.worker.load, lw.worker.id))
         conv = self._conversation_source(ctx)
+        reach = max([q.peer_tokens for q in peers[:1]] + [conv.peer_tokens if conv else 0])
+        per_token = ctx.scale / ctx.model.prefill_tokens_per_s
+        bounds = {w.id: lw.queue_s + (ctx.prompt - max(lw.cached, reach)) * per_token
+                  for w in healthy for lw in (ctx.locals[w.id],)}
+        kth: list[float] = []  # the `limit` best scores so far, negated (a max-heap)
         out: list[_Option] = []
-        for p in healthy:
+        for p in sorted(healthy, key=lambda w: bounds[w.id]):
+            if limit is not None and len(kth) >= limit and bounds[p.id] >= -kth[0]:
+                break
             lp = ctx.locals[p.id]
+            start = len(out)
             if p.can_prefill:
                 can_hand_off = split_pool and (protocol != "p2p" or (p.p2p_host and p.p2p_port))
                 targets = ([p] if p.can_decode else []) + (decoders if can_hand_off else [])
@@ -246,6 +267,12 @@ class KvAwarePolicy(Policy):
             elif p.role == "decode" and (protocol == "none"
                                          or ctx.prompt - lp.cached <= prm.pd_split_threshold_tokens):
                 out.append(self._score(ctx, lp, p, note="decode worker prefills locally"))
+            if limit is not None:
+                for o in out[start:]:
+                    if len(kth) < limit:
+                        heapq.heappush(kth, -o.score)
+                    elif o.score < -kth[0]:
+                        heapq.heapreplace(kth, -o.score)
         return out
 
     def _conversation_source(self, ctx: _Ctx) -> _Local | None:
@@ -282,9 +309,9 @@ class KvAwarePolicy(Policy):
 
     # -- the cost of one candidate ------------------------------------------------------------------
 
-    def _still_there(self, worker: WorkerView, tier: str, ratio: float) -> float:
+    def _still_there(self, worker: WorkerView | None, tier: str, ratio: float) -> float:
         prob = self.params.still_there.get(tier, 1.0) * ratio
-        if tier == "GPU":
+        if tier == "GPU" and worker is not None:
             pressure = max(0.0, min(1.0, (worker.kv_usage - 0.9) / 0.1))
             prob *= 1.0 - self.params.kv_pressure_decay * pressure
         return max(0.0, min(1.0, prob))
@@ -367,8 +394,8 @@ class KvAwarePolicy(Policy):
             runner = ranked[1]
             gap_ms = (runner.score - best.score) * 1000
             text += f"; next {runner.p.worker.id}->{runner.d.id} at +{gap_ms:.1f} ms"
-        holder = max(ranked, key=lambda o: (o.p.cached, -o.score))
-        if holder.p.cached > best.predicted_cached_tokens:
-            text += (f"; load overrides affinity: {holder.p.worker.id} holds {holder.p.cached} tokens "
-                     f"but waits {holder.p.queue_s * 1000:.1f} ms")
+        holder = max(ctx.locals.values(), key=lambda lw: (lw.cached, -lw.queue_s))
+        if holder.cached > best.predicted_cached_tokens:
+            text += (f"; load overrides affinity: {holder.worker.id} holds {holder.cached} tokens "
+                     f"but waits {holder.queue_s * 1000:.1f} ms")
         return text

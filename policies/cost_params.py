@@ -66,7 +66,8 @@ class CostParams:
     kv_recompute_threshold: int = 64
     #: How many peers (those holding the most of the prefix) are weighed as kv sources per prefill worker.
     max_sources: int = 3
-    #: Requests remembered per worker for the queue estimate (a bound against lost outcomes).
+    #: Requests remembered per worker for the queue estimate (a bound against lost outcomes; 0 turns the
+    #: replay off and the queue term becomes load x calibrated service time).
     max_pending: int = 4096
     #: Candidates kept in the plan for /admin/route/explain (best first).
     explain_limit: int = 8
@@ -89,8 +90,8 @@ class CostParams:
             raise ValueError("bytes_per_token must be > 0")
         if self.kv_protocol not in ("none", "p2p", "nixl"):
             raise ValueError(f"kv_protocol must be none|p2p|nixl, got {self.kv_protocol!r}")
-        if self.max_sources < 0 or self.explain_limit < 1:
-            raise ValueError("max_sources must be >= 0 and explain_limit >= 1")
+        if self.max_sources < 0 or self.explain_limit < 1 or self.max_pending < 0:
+            raise ValueError("max_sources and max_pending must be >= 0 and explain_limit >= 1")
         merged = _default_still_there()
         merged.update({k.upper(): float(v) for k, v in self.still_there.items()})
         if any(not 0 <= v <= 1 for v in merged.values()):

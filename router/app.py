@@ -28,6 +28,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Mount, Route
+from starlette.types import Receive, Scope, Send
 
 log = logging.getLogger("kvroute.app")
 
@@ -95,9 +96,11 @@ def create_app(config: RouterConfig, *, policy: Policy | None = None, transport:
     from kvroute.router.admin import build_admin_app
 
     admin = build_admin_app(state, extra_routers=admin_routers)
+    hot = {"/v1/chat/completions": _generation(state, "/v1/chat/completions", "chat"),
+           "/v1/completions": _generation(state, "/v1/completions", "completion")}
     routes = [
-        Route("/v1/chat/completions", _generation(state, "/v1/chat/completions", "chat"), methods=["POST"]),
-        Route("/v1/completions", _generation(state, "/v1/completions", "completion"), methods=["POST"]),
+        Route("/v1/chat/completions", hot["/v1/chat/completions"], methods=["POST"]),
+        Route("/v1/completions", hot["/v1/completions"], methods=["POST"]),
         Route("/v1/models", _models(state), methods=["GET"]),
         Route("/health", _health, methods=["GET"]),
         Route("/ready", _ready(state), methods=["GET"]),
@@ -106,9 +109,30 @@ def create_app(config: RouterConfig, *, policy: Policy | None = None, transport:
         Route("/{path:path}", _passthrough(state),
               methods=["GET", "POST", "PUT", "DELETE", "PATCH"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan)
+    app = RouterApp(routes=routes, lifespan=lifespan)
+    app.hot_paths = hot
     app.state.kvroute = state
     return app
+
+
+class RouterApp(Starlette):
+    """Starlette, with the two generation routes dispatched before its middleware and router.
+
+    Their endpoints already turn every failure into a JSON error, so Starlette's error middleware and
+    route matching only add per-request cost there (measured in docs/benchmarks-proxy.md).
+    """
+
+    hot_paths: dict[str, Callable[[Request], Any]]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            endpoint = self.hot_paths.get(scope["path"])
+            if endpoint is not None:
+                scope["app"] = self
+                response = await endpoint(Request(scope, receive, send))
+                await response(scope, receive, send)
+                return
+        await super().__call__(scope, receive, send)
 
 
 # ---------------------------------------------------------------------------------------------- routes
@@ -146,6 +170,14 @@ def _generation(state: RouterState, route: str, kind: str) -> Callable[[Request]
     return endpoint
 
 
+#: vLLM's engine-control endpoints: a client of the pool must not reset caches or put engines to sleep.
+CONTROL_PATHS = frozenset({
+    "/reset_prefix_cache", "/reset_mm_cache", "/sleep", "/wake_up", "/is_sleeping", "/collective_rpc",
+    "/start_profile", "/stop_profile", "/scale_elastic_ep", "/is_scaling_elastic_ep", "/pause", "/resume",
+    "/is_paused", "/update_weights", "/init_weight_transfer", "/server_info",
+})
+
+
 def _passthrough(state: RouterState) -> Callable[[Request], Any]:
     """Any other path (``/tokenize``, ``/v1/responses``...) goes to a healthy worker serving the model."""
     limit = state.config.max_body_bytes
@@ -155,9 +187,12 @@ def _passthrough(state: RouterState) -> Callable[[Request], Any]:
         request_id = request_id_of(request)
         route = "other"
         try:
+            if request.url.path.rstrip("/") in CONTROL_PATHS:
+                raise ApiError(404, f"{request.url.path} is an engine-control endpoint and is not proxied; "
+                                    "call the worker directly", "not_proxied", "not_found_error")
             body = await read_body(request, limit)
             data: dict[str, Any] | None = None
-            if body[:1] in (b"{", b" ", b"\n"):
+            if body.lstrip()[:1] == b"{":
                 try:
                     parsed = orjson.loads(body)
                     data = parsed if isinstance(parsed, dict) else None

@@ -36,12 +36,18 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise _too_large(limit)
     parts: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
+    receive = request.receive  # straight from the server: Request.stream() adds a generator per request
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ApiError(499, "client disconnected while sending the body", "client_closed")
+        chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
             raise _too_large(limit)
         parts.append(chunk)
-    return parts[0] if len(parts) == 1 else b"".join(parts)
+        if not message.get("more_body", False):
+            return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def _too_large(limit: int) -> ApiError:

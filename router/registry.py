@@ -14,7 +14,6 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 import orjson
 from kvroute.policies.base import WorkerView
@@ -65,8 +64,6 @@ class WorkerState:
     fail_streak: int = 0
     last_error: str | None = None
     changed_at: float = field(default_factory=time.time)
-    #: The worker's kvroute_worker_inflight gauge child (cached: updated twice per request).
-    inflight_gauge: Any = None
 
     @property
     def id(self) -> str:
@@ -150,9 +147,10 @@ class WorkerRegistry:
     def _insert(self, cfg: WorkerConfig) -> WorkerState:
         if cfg.worker_id in self._workers:
             raise ValueError(f"worker {cfg.worker_id!r} already exists")
-        state = WorkerState(cfg, inflight_gauge=self._metrics.inflight.labels(cfg.worker_id))
+        state = WorkerState(cfg)
         self._workers[cfg.worker_id] = state
-        state.inflight_gauge.set(0)
+        # Read at scrape time: keeps two locked metric updates per request off the hot path.
+        self._metrics.inflight.labels(cfg.worker_id).set_function(lambda: state.inflight)
         self._metrics.healthy.labels(cfg.worker_id).set(0)
         return state
 
@@ -209,13 +207,11 @@ class WorkerRegistry:
         state = self._workers.get(worker_id)
         if state is not None:
             state.inflight += 1
-            state.inflight_gauge.set(state.inflight)
 
     def release(self, worker_id: str) -> None:
         state = self._workers.get(worker_id)
         if state is not None and state.inflight > 0:
             state.inflight -= 1
-            state.inflight_gauge.set(state.inflight)
 
     # ------------------------------------------------------------------ health
 

@@ -71,7 +71,7 @@ class Engine:
                                 hash_bytes=opts.hash_bytes, self_describing=opts.self_describing_events)
         self.metrics = SimMetrics(opts.model_name, self.preset.block_size, self.preset.gpu_blocks,
                                   self.preset.cpu_blocks, running=lambda: self.running,
-                                  waiting=lambda: len(self._queue), usage=self.cache.usage)
+                                  waiting=lambda: self.waiting, usage=self.cache.usage)
         self.transfers = Transfers(self, client)
         self.engine_id = engine_id
         self.p2p_host = p2p_host
@@ -82,6 +82,11 @@ class Engine:
         self.recompute_decisions = 0
         self._queue: deque[_Admission] = deque()
         self._gpu_free_at = 0.0
+
+    @property
+    def waiting(self) -> int:
+        """Requests not admitted yet (vllm:num_requests_waiting)."""
+        return len(self._queue)
 
     # -- admission -----------------------------------------------------------------------------------
 
@@ -161,24 +166,14 @@ class Engine:
             remote = await self.transfers.load(kv, hashes, local, usable)
             # The simulator's own CPU time (parsing, tokenizing, hashing) counts as part of the modelled
             # time, so TTFT stays faithful on a busy machine; a wait or a transfer starts the clock anew.
-            ready = loop.time() if (adm.queued or kv is not None) else t0
-            cached_blocks = local + remote
-            cached = cached_blocks * bs
+            remote_tried = kv is not None and (kv.remote_prefiller or kv.remote_kv_source or kv.nixl_remote)
+            ready = loop.time() if (adm.queued or remote_tried) else t0
             req.local_hit_tokens = local * bs
             req.remote_tokens = remote * bs
-            req.cached_tokens = cached
-            # Prefill on the GPU timeline: promotion of CPU hits, then the uncached tokens.
-            work = (promote_seconds(self.preset, adm.n_cpu)
-                    + prefill_seconds(self.preset, n_prompt - cached, cached))
-            start = max(ready, self._gpu_free_at)
-            end = start + self.opts.scaled(work)
-            self._gpu_free_at = end
-            await asyncio.sleep(end - loop.time())
-            if adm.n_cpu:
-                self.cache.touch_cpu(hashes[adm.n_gpu:local])
-                self.metrics.promoted_blocks.inc(adm.n_cpu)
+            req.cached_tokens = (local + remote) * bs
             max_offload = kv.max_offload_tokens if kv is not None else None
             offload_blocks = None if max_offload is None else max_offload // bs
+            await self._prefill(req, adm, ready)
             self.cache.store(alloc, hashes[adm.n_gpu:], req.prompt[adm.n_gpu * bs: len(hashes) * bs],
                              hashes[adm.n_gpu - 1] if adm.n_gpu else None,
                              extras=self._extras(req, len(hashes))[adm.n_gpu:] if req.cache_salt else None,
@@ -207,6 +202,21 @@ class Engine:
             if hold is not None:  # failed before the blocks existed: nothing to keep
                 self.transfers.drop_hold("p2p", hold.key, hold)
             self._finish(alloc)
+
+    async def _prefill(self, req: EngineRequest, adm: _Admission, ready: float) -> None:
+        """Wait for this request's turn on the worker's GPU timeline and its compute: promotion of the
+        CPU-tier hits, then the uncached tokens (attention grows with the cached context)."""
+        loop = asyncio.get_running_loop()
+        cached = req.cached_tokens
+        work = (promote_seconds(self.preset, adm.n_cpu)
+                + prefill_seconds(self.preset, len(req.prompt) - cached, cached))
+        start = max(ready, self._gpu_free_at)
+        end = start + self.opts.scaled(work)
+        self._gpu_free_at = end
+        await asyncio.sleep(end - loop.time())
+        if adm.n_cpu:
+            self.cache.touch_cpu(adm.hashes[adm.n_gpu:adm.n_gpu + adm.n_cpu])
+            self.metrics.promoted_blocks.inc(adm.n_cpu)
 
     def _unmark(self, hashes: list[BlockHash]) -> None:
         for h in hashes:

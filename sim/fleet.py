@@ -89,6 +89,14 @@ class SimFleet:
         config.update(extra)
         return config
 
+    def stats(self) -> list[dict[str, Any]]:
+        """Per-worker counters (prefix-cache queries/hits, KV bytes moved, load)."""
+        return [w.stats() for w in self.workers]
+
+    def reset(self) -> bool:
+        """Cold caches everywhere (e.g. between two policies of a demo); False if some worker is busy."""
+        return all([w.reset() for w in self.workers])
+
     async def start(self) -> SimFleet:
         started: list[SimWorker] = []
         try:

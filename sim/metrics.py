@@ -71,5 +71,14 @@ class SimMetrics:
     def lookup(self, status: str) -> None:
         self._lookups.labels(status).inc()
 
+    def sample(self, name: str, **labels: str) -> float:
+        """Sum of one metric's samples matching ``labels`` (0 when none) — for stats, not for scraping."""
+        total = 0.0
+        for family in self.registry.collect():
+            for s in family.samples:
+                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                    total += s.value
+        return total
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

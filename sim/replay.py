@@ -18,6 +18,9 @@ import httpx
 import orjson
 from kvroute.sim.traces import Session, Trace
 
+#: Where to send a request: one base URL, or a function of (session, turn) -> base URL (client-side routing).
+Target = str | Callable[[Session, int], str]
+
 
 @dataclass(slots=True)
 class RequestResult:
@@ -113,9 +116,14 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict[str, Any], header
     return "".join(pieces)
 
 
-async def _session(client: httpx.AsyncClient, url: str, model: str | None, session: Session, start: float,
-                   time_scale: float, report: ReplayReport, on_result: Callable[[RequestResult], None] | None,
-                   conversation_field: str | None) -> None:
+def _chat_url(target: Target, session: Session, turn: int) -> str:
+    base = target(session, turn) if callable(target) else target
+    return base.rstrip("/") + "/v1/chat/completions"
+
+
+async def _session(client: httpx.AsyncClient, target: Target, model: str | None, session: Session,
+                   start: float, time_scale: float, report: ReplayReport,
+                   on_result: Callable[[RequestResult], None] | None, conversation_field: str | None) -> None:
     await asyncio.sleep(max(0.0, start + session.start_s * time_scale - time.perf_counter()))
     messages: list[dict[str, str]] = [{"role": "system", "content": session.system}]
     for turn, step in enumerate(session.steps):
@@ -130,7 +138,7 @@ async def _session(client: httpx.AsyncClient, url: str, model: str | None, sessi
             body[conversation_field] = session.id
         result = RequestResult(session.id, turn, session.kind, time.perf_counter() - start)
         headers = {"content-type": "application/json", "x-conversation-id": session.id}
-        answer = await _one(client, url, body, headers, result)
+        answer = await _one(client, _chat_url(target, session, turn), body, headers, result)
         report.results.append(result)
         if on_result is not None:
             on_result(result)
@@ -139,16 +147,17 @@ async def _session(client: httpx.AsyncClient, url: str, model: str | None, sessi
         messages.append({"role": "assistant", "content": answer})
 
 
-async def replay(trace: Trace, base_url: str, *, model: str | None = None, time_scale: float = 1.0,
+async def replay(trace: Trace, base_url: Target, *, model: str | None = None, time_scale: float = 1.0,
                  timeout_s: float = 600.0, on_result: Callable[[RequestResult], None] | None = None,
                  conversation_field: str | None = None, max_connections: int = 512) -> ReplayReport:
-    """Replay ``trace`` against ``base_url`` (``/v1/chat/completions``); arrival times x ``time_scale``."""
-    url = base_url.rstrip("/") + "/v1/chat/completions"
-    report = ReplayReport(trace.name, base_url, 0.0)
+    """Replay ``trace`` against ``base_url`` (``/v1/chat/completions``); arrival times x ``time_scale``.
+
+    ``base_url`` may be a function of (session, turn) for client-side routing baselines."""
+    report = ReplayReport(trace.name, base_url if isinstance(base_url, str) else "client-side", 0.0)
     limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
     async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
         start = time.perf_counter()
-        await asyncio.gather(*(_session(client, url, model, s, start, time_scale, report, on_result,
+        await asyncio.gather(*(_session(client, base_url, model, s, start, time_scale, report, on_result,
                                         conversation_field) for s in trace.sessions))
         report.duration_s = time.perf_counter() - start
     return report

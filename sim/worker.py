@@ -112,6 +112,28 @@ class SimWorker:
                 "url": self.url, "kv_events": self.events_endpoint, "replay": self.replay_endpoint,
                 "p2p_port": self.p2p_port, "topic": self.topic}
 
+    def stats(self) -> dict[str, Any]:
+        """Counters a demo or a benchmark reports per worker (the same numbers /metrics exposes)."""
+        m = self.engine.metrics
+        return {
+            "worker_id": self.worker_id, "role": self.opts.role,
+            "running": self.engine.running, "waiting": self.engine.waiting,
+            "kv_cache_usage": self.engine.cache.usage(),
+            "prefix_cache_queries": m.sample("vllm:prefix_cache_queries_total"),
+            "prefix_cache_hits": m.sample("vllm:prefix_cache_hits_total"),
+            "prompt_tokens": m.sample("vllm:prompt_tokens_total"),
+            "requests": m.sample("vllm:request_success_total"),
+            "kv_bytes_sent": m.sample("kvroute_sim:kv_transfer_bytes_total", direction="sent"),
+            "kv_bytes_received": m.sample("kvroute_sim:kv_transfer_bytes_total", direction="received"),
+        }
+
+    def reset(self) -> bool:
+        """Drop every hold and reset the prefix cache (between benchmark runs); False while requests run."""
+        if self.engine.running:
+            return False
+        self.engine.transfers.close()
+        return self.engine.reset_prefix_cache()
+
     # -- lifecycle -----------------------------------------------------------------------------------
 
     async def start(self) -> SimWorker:

@@ -92,3 +92,21 @@ async def test_unreachable_redis_raises_index_unavailable() -> None:
     stats = await indexer.stats()
     assert stats["backend_ok"] is False
     await backend.close()
+
+
+async def test_reader_replica_learns_block_size_from_the_writer(redis_url: str) -> None:
+    """A router replica reading a shared index never sees events: the writer publishes block sizes."""
+    writer = KVIndexer(RedisIndex(redis_url, prefix="shared"))
+    writer.register_worker("a", "m")
+    reader = KVIndexer(RedisIndex(redis_url, prefix="shared"))
+    assert (await reader.lookup_tokens("m", PROMPT)).block_size is None
+    from .fakevllm import frames
+
+    await writer.handle_message("a", frames([Chain().store(PROMPT[:64])], 0))
+    reader.model_info("m").next_ask = 0.0  # do not wait for the 5 s re-ask interval
+    result = await reader.lookup_tokens("m", PROMPT)
+    assert result.block_size == 16 and result.matches["a"].blocks == 4
+    stats = await reader.stats()
+    assert [(w["id"], w["blocks"], w.get("source")) for w in stats["workers"]] == [("a", 4, "backend")]
+    await writer.backend.close()
+    await reader.backend.close()

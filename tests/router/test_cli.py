@@ -89,3 +89,15 @@ async def test_serve_subprocess_end_to_end() -> None:
         finally:
             proc.send_signal(signal.SIGTERM)
             await asyncio.wait_for(proc.wait(), 15)
+
+
+def test_sample_deploy_configs_are_valid() -> None:
+    import yaml
+    from kvroute.router.config import RouterConfig, load_config
+
+    root = Path(__file__).resolve().parents[2] / "deploy"
+    config = load_config(root / "kvroute.yaml", environ={})
+    assert [w.worker_id for w in config.workers] == ["vllm-0", "vllm-1"]
+    docs = list(yaml.safe_load_all((root / "k8s.yaml").read_text()))
+    embedded = next(d for d in docs if d["kind"] == "ConfigMap")["data"]["kvroute.yaml"]
+    assert RouterConfig.model_validate(yaml.safe_load(embedded)).policy == "least_load"

@@ -123,6 +123,11 @@ async def test_other_paths_pass_through(two_workers, client: httpx.AsyncClient) 
         # A path the worker does not have: the worker's own 404 comes back unchanged.
         r = await client.get(url + "/v1/unknown")
         assert r.status_code == 404
+        # Engine-control endpoints are not proxied.
+        seen = len(w1.seen)
+        r = await client.post(url + "/reset_prefix_cache")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "not_proxied"
+        assert len(w1.seen) == seen
 
 
 async def test_least_load_policy_by_name(two_workers, client: httpx.AsyncClient) -> None:

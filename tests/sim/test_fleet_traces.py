@@ -111,3 +111,38 @@ async def test_replay_records_errors_without_crashing(make_fleet: Any) -> None:
     report = await replay(trace, fleet[0].url, model="wrong-model", time_scale=0.0)
     assert len(report.results) == 2 and all(r.status == 404 and not r.ok for r in report.results)
     assert report.summary()["errors"] == 2
+
+
+async def test_fleet_stats_and_reset(make_fleet: Any) -> None:
+    fleet = await make_fleet(2)
+    async with httpx.AsyncClient(timeout=10) as c:
+        for _ in range(2):
+            r = await c.post(f"{fleet.urls[0]}/v1/completions", json={"prompt": " ".join("abcdefghij" * 4),
+                                                                       "max_tokens": 1})
+            assert r.status_code == 200
+    stats = fleet.stats()
+    assert stats[0]["requests"] == 2 and stats[0]["prefix_cache_queries"] == 80
+    assert stats[0]["prefix_cache_hits"] == 32 and stats[1]["requests"] == 0
+    assert fleet.reset()
+    assert len(fleet[0].engine.cache.gpu) == 0
+
+
+def test_hf_tokenizer_with_chat_template(tmp_path: Path) -> None:
+    import json
+
+    from kvroute.sim.tokenizer import load_tokenizer
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, "<s>": 1, "hello": 2, "world": 3, "user": 4, "assistant": 5}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["<s>"])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    template = ("{{ bos_token }}{% for m in messages %} {{ m.role }} {{ m.content }}{% endfor %}"
+                "{% if add_generation_prompt %} assistant{% endif %}")
+    config = {"chat_template": template, "bos_token": "<s>"}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    hf = load_tokenizer(str(tmp_path))
+    assert hf.encode("hello world") == [2, 3]
+    ids = hf.encode_chat([{"role": "user", "content": "hello"}])
+    assert ids == [1, 4, 2, 5]

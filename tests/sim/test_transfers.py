@@ -76,7 +76,7 @@ async def test_kv_load_tiers_without_remote_forbids_the_fetch(make_fleet: Any, c
 
 
 async def test_remote_decoder_then_remote_prefiller(make_fleet: Any, client: Any) -> None:
-    fleet = await make_fleet(2, roles=["prefill", "decode"])
+    fleet = await make_fleet(2, roles=["prefill", "decode"], p2p_pending_timeout_s=1000.0)  # 10 s bound
     p, d = fleet.workers
     prompt = words(120)
     # Both legs at once, as a router may send them: the decoder waits (HIT_PENDING) for the prefill.
@@ -109,6 +109,17 @@ async def test_hit_pending_is_bounded(make_fleet: Any, client: Any) -> None:
     assert cached(answer) == 0  # gave up after the bound, recomputed
     text = (await client.get(f"{p.url}/metrics")).text
     assert metric(text, "kvroute_sim:p2p_lookups_total", status=HIT_PENDING) >= 2
+
+
+async def test_busy_peer_answers_retry_and_the_consumer_recomputes(make_fleet: Any, client: Any) -> None:
+    fleet = await make_fleet(2, p2p_max_concurrent_transfers=0, p2p_max_retries=2)  # always busy
+    a, b = fleet.workers
+    await complete(client, a.url, words(80))
+    answer = await complete(client, b.url, words(80), {"remote_kv_source": peer(a)})
+    assert cached(answer) == 0
+    text = (await client.get(f"{a.url}/metrics")).text
+    assert metric(text, "kvroute_sim:p2p_lookups_total", status="RETRY") == 3  # first try + 2 retries
+    assert await sent_bytes(client, a.url, "p2p") == 0
 
 
 async def test_p2p_control_answers_hit_miss_and_survives_garbage(make_fleet: Any, client: Any) -> None:
@@ -212,8 +223,9 @@ async def test_bidirectional_threshold_recomputes_small_reuse(make_fleet: Any, c
 
 async def test_decoder_retention_expires_on_time_and_is_not_renewed(make_fleet: Any, client: Any) -> None:
     scale = 0.005  # 480 s -> 2.4 s real: long enough for the steps below on a busy machine
-    fleet = await make_fleet(2, roles=["prefill", "decode"], decoder_kv_blocks_ttl=480.0, time_scale=scale)
-    p, d = fleet.workers
+    fleet = await make_fleet(4, roles=["prefill", "decode", "prefill", "prefill"],
+                             decoder_kv_blocks_ttl=480.0, time_scale=scale)
+    p, d, p2, p3 = fleet.workers  # fresh prefillers for the reads: nothing cached locally
     prompt = words(100)
     params = (await complete(client, p.url, prompt, dict(NIXL_PREFILL), max_tokens=1))["kv_transfer_params"]
     retained = (await complete(client, d.url, prompt, params, max_tokens=2))["kv_transfer_params"]
@@ -221,9 +233,8 @@ async def test_decoder_retention_expires_on_time_and_is_not_renewed(make_fleet: 
     loop = asyncio.get_running_loop()
     deadline = hold.timer.when()
     assert deadline - loop.time() <= 480 * scale  # fixed TTL, scaled
-    await client.post(f"{p.url}/reset_prefix_cache")
     back = {**retained, "do_remote_decode": True, "do_remote_prefill": False}
-    assert cached(await complete(client, p.url, prompt + " x", back, max_tokens=1)) == 96  # a read...
+    assert cached(await complete(client, p2.url, prompt + " x", back, max_tokens=1)) == 96  # a read...
     assert hold.timer.when() == deadline  # ...does not renew the lease
     await asyncio.sleep(max(deadline - loop.time(), 0))
     for _ in range(200):  # the expiry callback runs right at the deadline
@@ -232,8 +243,8 @@ async def test_decoder_retention_expires_on_time_and_is_not_renewed(make_fleet: 
         await asyncio.sleep(0.01)
     assert retained["remote_request_id"] not in d.engine.transfers.holds["retain"]
     assert loop.time() >= deadline
-    await client.post(f"{p.url}/reset_prefix_cache")
-    assert cached(await complete(client, p.url, prompt + " y", back, max_tokens=1)) == 0  # expired: recompute
+    expired = await complete(client, p3.url, prompt + " y", back, max_tokens=1)
+    assert cached(expired) == 0  # expired: recompute
 
 
 async def test_max_offload_tokens_zero_keeps_blocks_off_the_cpu_tier(make_fleet: Any, client: Any) -> None:

@@ -120,6 +120,10 @@ async def test_index_agrees_with_engine(indexed: IndexedPool, http: httpx.AsyncC
         assert worker.get("dropped", 0) == 0, f"the indexer dropped messages from {worker['id']}"
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "indexer/ingest.py drops a key on the first BlockRemoved of its hash; real vLLM holds two copies "
+    "of a re-computed block and announces each removal: the index must count copies per hash "
+    "(remove this marker when it does)"))
 async def test_duplicate_block_copies(vllm_pool: list[VllmServer], memory_backend: IndexBackend,
                                       reference_tokenizer: ReferenceTokenizer, http: httpx.AsyncClient,
                                       rng: random.Random) -> None:
@@ -170,6 +174,9 @@ async def test_subscriber_restart_catches_up_through_replay(
         await pool.stop()
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "indexer/subscriber.py does not replay a worker's buffer when it first hears from it (no last "
+    "seq yet): blocks cached before the router started stay unknown (remove this marker when it does)"))
 async def test_fresh_router_rebuilds_through_replay(
         vllm_pool: list[VllmServer], memory_backend: IndexBackend, reference_tokenizer: ReferenceTokenizer,
         http: httpx.AsyncClient, rng: random.Random) -> None:

@@ -1,0 +1,99 @@
+"""``kvroute serve`` as a real subprocess in front of the real vLLM pool (what a user runs).
+
+The router binds the SUB that the connect-mode server (``a``) publishes to, connects to the
+bind-mode one (``b``), and tokenizes locally from the tiny model's folder.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from .servers import BLOCK_SIZE, MODEL_NAME, VllmServer, free_port
+
+START_TIMEOUT_S = 120.0
+
+
+def router_config(servers: list[VllmServer], model_dir: Path, port: int, policy: str) -> dict[str, Any]:
+    workers = []
+    bind = None
+    for s in servers:
+        worker: dict[str, Any] = {"url": s.url, "id": s.name, "models": [MODEL_NAME],
+                                  "kv_events_topic": s.topic, "replay": s.replay}
+        if s.vllm_binds_events:
+            worker["kv_events"] = s.events
+        else:
+            bind = s.events
+        workers.append(worker)
+    return {
+        "host": "127.0.0.1", "port": port, "policy": policy, "debug_headers": True,
+        "health_interval_s": 0.5, "metrics_interval_s": 0.5, "workers": workers,
+        "models": [{"name": MODEL_NAME, "tokenizer": str(model_dir), "block_size": BLOCK_SIZE}],
+        "index": {"backend": "memory", "events_bind": bind},
+    }
+
+
+@dataclass
+class RouterProcess:
+    config_path: Path
+    log_path: Path
+    port: int
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvroute.cli", "serve", "--config", str(self.config_path)],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        log.close()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kvroute serve exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(f"{self.url}/ready", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"kvroute serve not ready after {START_TIMEOUT_S:.0f} s:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+
+    def log_tail(self, chars: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return "(no log)"
+
+
+def make_router(servers: list[VllmServer], model_dir: Path, workdir: Path, policy: str = "kvaware"
+                ) -> RouterProcess:
+    port = free_port()
+    config_path = workdir / f"router-{policy}.yaml"
+    config_path.write_text(yaml.safe_dump(router_config(servers, model_dir, port, policy)))
+    return RouterProcess(config_path, workdir / f"router-{policy}.log", port)
