@@ -56,15 +56,20 @@ async def discover_model(url: str, timeout_s: float = 2.0) -> str | None:
         return None
 
 
-def build_from_config(config: Any, backend: IndexBackend | None = None) -> tuple[KVIndexer, EventSubscriber]:
+def build_from_config(config: Any, backend: IndexBackend | None = None,
+                      subscribe: bool | None = None) -> tuple[KVIndexer, EventSubscriber | None]:
     """The indexer and its subscriber for a ``RouterConfig`` (workers with a known model added now).
 
-    Workers without ``models`` are added by :func:`add_discovered_workers` once they answer.
+    ``subscribe`` defaults to ``config.index.subscribe``; without it the indexer only reads a shared
+    index that another process keeps (the subscriber is None). Workers without ``models`` are added
+    by :func:`add_discovered_workers` once they answer. Call ``await subscriber.start()`` to run it.
     """
     index_cfg = config.index
     backend = backend or backend_from_config(index_cfg)
     sizes = {m.name: m.block_size for m in config.models if m.block_size}
     indexer = KVIndexer(backend, block_sizes=sizes)
+    if not (index_cfg.subscribe if subscribe is None else subscribe):
+        return indexer, None
     refresh = index_cfg.block_ttl_s / 3 if index_cfg.backend == "redis" and index_cfg.block_ttl_s else None
     subscriber = EventSubscriber(indexer, bind=index_cfg.events_bind, grace_s=index_cfg.worker_gone_grace_s,
                                  refresh_s=refresh)
@@ -139,10 +144,11 @@ def run(args: argparse.Namespace) -> int:
 
 async def _serve(config: Any, host: str, port: int) -> int:
     try:
-        indexer, subscriber = build_from_config(config)
+        indexer, subscriber = build_from_config(config, subscribe=True)
     except ValueError as exc:
         print(f"kvroute indexer: {exc}", file=sys.stderr)
         return 2
+    assert subscriber is not None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

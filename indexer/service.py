@@ -13,9 +13,10 @@ is ``w#n`` (each rank has its own cache and its own sequence counter).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
@@ -152,6 +153,9 @@ class KVIndexer:
         self._next_recover = 0.0
         #: Orders local-view changes and their backend writes (a recovery rewrite must not interleave).
         self._lock = asyncio.Lock()
+        #: Inside :meth:`batched`: writes wait here (per entity, in order) and go out together.
+        self._deferring = 0
+        self._pending: dict[str, tuple[str, list[Any]]] = {}
         self._log_times: dict[tuple[str, str], float] = {}
         self.purges_total = 0
         for model, size in (block_sizes or {}).items():
@@ -297,13 +301,11 @@ class KVIndexer:
         async with self._lock:
             result = translate(ent.state, ent.model, batch)
             if result.ops and not self._dirty:
-                try:
-                    await self.backend.apply(ent.model.name, ent.id, result.ops)
-                    if not ent.model.published and ent.model.block_size:
-                        await self.backend.set_block_size(ent.model.name, ent.model.block_size)
-                        ent.model.published = True
-                except IndexUnavailable as exc:
-                    self._backend_failed("apply", exc)
+                if self._deferring:
+                    self._pending.setdefault(ent.id, (ent.model.name, []))[1].extend(result.ops)
+                else:
+                    await self._write(ent.model.name, ent.id, result.ops)
+                    await self._publish_block_size(ent.model)
         for kind, count in result.received.items():
             ent.counter(metrics.EVENTS_RECEIVED, kind).inc(count)
         for kind, count in result.applied.items():
@@ -317,6 +319,48 @@ class KVIndexer:
         ent.child(metrics.BLOCKS).set(len(ent.state.bits))
         if self._dirty:
             await self.recover()
+
+    async def _write(self, model: str, entity: str, ops: list[Any]) -> None:
+        """One backend write (the caller holds the lock)."""
+        try:
+            await self.backend.apply(model, entity, ops)
+        except IndexUnavailable as exc:
+            self._backend_failed("apply", exc)
+
+    async def _publish_block_size(self, model: ModelInfo) -> None:
+        if model.published or not model.block_size or self._dirty:
+            return
+        try:
+            await self.backend.set_block_size(model.name, model.block_size)
+            model.published = True
+        except IndexUnavailable as exc:
+            self._backend_failed("apply", exc)
+
+    async def _flush_locked(self) -> None:
+        pending, self._pending = self._pending, {}
+        for entity, (model, ops) in pending.items():
+            if self._dirty:
+                return  # everything is rewritten from the local views on recovery
+            await self._write(model, entity, ops)
+            await self._publish_block_size(self.model_info(model))
+
+    async def flush(self) -> None:
+        """Write what :meth:`batched` has deferred so far."""
+        if self._pending:
+            async with self._lock:
+                await self._flush_locked()
+
+    @contextlib.asynccontextmanager
+    async def batched(self) -> AsyncIterator[None]:
+        """Handle several messages with one backend write per entity (the subscriber drains its
+        socket this way: Redis round trips are paid per burst, not per batch)."""
+        self._deferring += 1
+        try:
+            yield
+        finally:
+            self._deferring -= 1
+            if not self._deferring:
+                await self.flush()
 
     def _backend_failed(self, op: str, exc: Exception) -> None:
         if not self._dirty:
@@ -342,6 +386,7 @@ class KVIndexer:
         if not force and time.monotonic() < self._next_recover:
             return False
         async with self._lock:
+            self._pending.clear()  # the snapshots below include everything deferred
             try:
                 for ent in list(self._entities.values()):
                     await self.backend.apply(ent.model.name, ent.id, ent.state.snapshot_ops())
@@ -361,6 +406,7 @@ class KVIndexer:
         if self._dirty:
             return
         async with self._lock:
+            await self._flush_locked()
             try:
                 for ent in list(self._entities.values()):
                     ops = ent.state.snapshot_ops()[1:]
@@ -382,6 +428,7 @@ class KVIndexer:
         self._count_purge(ent, reason)
         metrics.BLOCKS.labels(ent.id).set(0)
         async with self._lock:
+            await self._flush_locked()
             if self._dirty:
                 return
             try:

@@ -55,6 +55,21 @@ def rank_endpoint(endpoint: str, rank: int) -> str:
     return f"tcp://{host}:{parts.port + rank}"
 
 
+#: Most messages handled before their index writes go out together.
+MAX_BURST = 256
+
+
+async def _drain(sock: zmq.asyncio.Socket) -> list[list[bytes]]:
+    """Wait for one message, then take what is already queued behind it (up to MAX_BURST)."""
+    burst = [await sock.recv_multipart()]
+    while len(burst) < MAX_BURST:
+        try:
+            burst.append(await sock.recv_multipart(zmq.NOBLOCK))
+        except zmq.Again:
+            break
+    return burst
+
+
 def _sub_socket(ctx: zmq.asyncio.Context) -> zmq.asyncio.Socket:
     sock = ctx.socket(zmq.SUB)
     sock.setsockopt(zmq.RCVHWM, RECV_HWM)
@@ -167,8 +182,10 @@ class EventSubscriber:
     async def _worker_loop(self, spec: WorkerSpec, sock: zmq.asyncio.Socket) -> None:
         try:
             while True:
-                frames = await sock.recv_multipart()
-                await self._handle(spec, frames)
+                burst = await _drain(sock)
+                async with self.indexer.batched():
+                    for frames in burst:
+                        await self._handle(spec, frames)
         finally:
             sock.close(0)
 
@@ -189,14 +206,17 @@ class EventSubscriber:
 
     async def _bound_loop(self, sock: zmq.asyncio.Socket) -> None:
         while True:
-            frames = await sock.recv_multipart()
-            worker_id = self._topics.get(frames[0]) if frames else None
-            spec = self._specs.get(worker_id) if worker_id else None
-            if spec is None:
-                self.indexer.count_drop("(bound)", "unknown_topic", repr(frames[0][:64]) if frames else "")
-                continue
-            self.indexer.mark_up(spec.worker_id)
-            await self._handle(spec, frames)
+            burst = await _drain(sock)
+            async with self.indexer.batched():
+                for frames in burst:
+                    worker_id = self._topics.get(frames[0]) if frames else None
+                    spec = self._specs.get(worker_id) if worker_id else None
+                    if spec is None:
+                        self.indexer.count_drop("(bound)", "unknown_topic",
+                                                repr(frames[0][:64]) if frames else "")
+                        continue
+                    self.indexer.mark_up(spec.worker_id)
+                    await self._handle(spec, frames)
 
     async def _handle(self, spec: WorkerSpec, frames: list[bytes]) -> None:
         """One message; nothing a worker sends may end the loop."""

@@ -115,6 +115,7 @@ def run_policy(policy: str, trace: Trace, fleet: FleetSpec, *, workdir: Path | N
     fleet_yaml = workdir / f"fleet-{policy}.yaml"
     fleet_log = workdir / f"fleet-{policy}.log"
     router_log = workdir / f"router-{policy}.log"
+    fleet_yaml.unlink(missing_ok=True)  # its appearance is the fleet's "ready" signal
     with _process(fleet.argv(fleet_yaml), fleet_log) as sim:
         _wait_for(lambda: fleet_yaml.exists() and fleet_yaml.stat().st_size > 0, sim, "kvroute sim",
                   fleet_log)

@@ -154,6 +154,16 @@ class RouteOutcome:
     ok: bool = True
 
 
+@dataclass(slots=True, frozen=True)
+class PoolContext:
+    """What the router knows about the pool that a policy may use: per-model cost figures from the
+    config, and the pool's KV-transfer protocol (which plans can be carried out at all)."""
+
+    models: dict[str, dict[str, float]] = field(default_factory=dict)
+    kv_protocol: Literal["none", "p2p", "nixl"] = "none"
+    kv_recompute_threshold: int = 64
+
+
 class NoWorkerError(RuntimeError):
     """No worker can take the request (none healthy, or none with the needed role)."""
 
@@ -169,6 +179,11 @@ class Policy(ABC):
 
     def __init__(self, **options: Any) -> None:
         self.options = options
+
+    @classmethod
+    def for_pool(cls, pool: PoolContext, **options: Any) -> Policy:
+        """Build the policy for a pool. Policies that use the pool's facts override this."""
+        return cls(**options)
 
     @abstractmethod
     def choose(self, request: RouteRequest, workers: Sequence[WorkerView]) -> RoutePlan:

@@ -29,6 +29,7 @@ from kvroute.policies.base import (
     CandidatePlan,
     NoWorkerError,
     Policy,
+    PoolContext,
     RouteOutcome,
     RoutePlan,
     RouteRequest,
@@ -139,6 +140,16 @@ class KvAwarePolicy(Policy):
         #: Per worker: (sent at, predicted service seconds) of the requests this policy sent there, oldest
         #: first, until their outcome is observed: a virtual FIFO queue for the queue term.
         self._pending: dict[str, OrderedDict[str, tuple[float, float]]] = {}
+
+    @classmethod
+    def for_pool(cls, pool: PoolContext, **options: Any) -> KvAwarePolicy:
+        """Config-file model figures and the pool's protocol, unless the options set them explicitly."""
+        models = {name: dict(figures) for name, figures in pool.models.items()}
+        for name, figures in (options.pop("models", None) or {}).items():
+            models.setdefault(name, {}).update(figures)
+        options.setdefault("kv_protocol", pool.kv_protocol)
+        options.setdefault("kv_recompute_threshold", pool.kv_recompute_threshold)
+        return cls(models=models, **options)
 
     # -- public API ----------------------------------------------------------------------------------
 

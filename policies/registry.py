@@ -5,7 +5,7 @@ from __future__ import annotations
 from importlib.metadata import entry_points
 from typing import Any
 
-from kvroute.policies.base import Policy
+from kvroute.policies.base import Policy, PoolContext
 
 _REGISTRY: dict[str, type[Policy]] = {}
 _entry_points_loaded = False
@@ -37,11 +37,14 @@ def available_policies() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def create_policy(name: str, **options: Any) -> Policy:
-    """A new policy instance; unknown names raise KeyError listing what exists."""
+def create_policy(name: str, pool: PoolContext | None = None, **options: Any) -> Policy:
+    """A new policy instance; unknown names raise KeyError listing what exists.
+
+    With ``pool``, the policy is built through :meth:`Policy.for_pool` so it can use the pool's facts.
+    """
     _load_builtins_and_plugins()
     try:
         cls = _REGISTRY[name]
     except KeyError:
         raise KeyError(f"unknown policy {name!r}; available: {', '.join(sorted(_REGISTRY))}") from None
-    return cls(**options)
+    return cls.for_pool(pool, **options) if pool is not None else cls(**options)

@@ -1,4 +1,5 @@
-"""The ASGI app: plain Starlette routes for the hot path, a FastAPI sub-app for admin and OpenAPI.
+"""The ASGI app: Starlette for the OpenAI surface (the two generation routes dispatched ahead of its
+middleware), a FastAPI sub-app for admin and OpenAPI.
 
 ``create_app`` wires the parts (transport, registry, forwarder, policy, pipeline) and returns the app;
 its lifespan starts the registry's probes and closes the pooled client. Everything is reachable from
@@ -16,6 +17,7 @@ from typing import Any
 
 import orjson
 from kvroute.policies import Policy, create_policy
+from kvroute.router.admin import build_admin_app
 from kvroute.router.config import RouterConfig
 from kvroute.router.errors import ApiError, api_error_response, error_response, model_not_found
 from kvroute.router.forwarding import Forwarder, upstream_headers
@@ -50,6 +52,8 @@ class RouterState:
     #: Async callables run at start-up / shutdown (e.g. the indexer's subscribers), in order.
     on_startup: list[Hook] = field(default_factory=list)
     on_shutdown: list[Hook] = field(default_factory=list)
+    #: Parts added by the full server (the indexer, the subscriber), for admin and tests.
+    extras: dict[str, Any] = field(default_factory=dict)
 
     def expected_models(self) -> list[str]:
         names = [m.name for m in self.config.models]
@@ -74,7 +78,8 @@ def create_app(config: RouterConfig, *, policy: Policy | None = None, transport:
                               probe_timeout_s=min(c.connect_timeout_s + 1.0, c.health_interval_s + 1.0))
     policy = policy or create_policy(config.policy, **config.policy_options)
     forwarder = Forwarder(transport, registry, metrics)
-    pipeline = pipeline_cls(registry, policy, forwarder, metrics, debug_headers=config.debug_headers)
+    pipeline = pipeline_cls(registry, policy, forwarder, metrics, debug_headers=config.debug_headers,
+                            config=config)
     state = RouterState(config, registry, policy, pipeline, forwarder, transport, metrics)
 
     @contextlib.asynccontextmanager
@@ -93,8 +98,6 @@ def create_app(config: RouterConfig, *, policy: Policy | None = None, transport:
             await registry.stop()
             await transport.aclose()
 
-    from kvroute.router.admin import build_admin_app
-
     admin = build_admin_app(state, extra_routers=admin_routers)
     hot = {"/v1/chat/completions": _generation(state, "/v1/chat/completions", "chat"),
            "/v1/completions": _generation(state, "/v1/completions", "completion")}
@@ -107,7 +110,7 @@ def create_app(config: RouterConfig, *, policy: Policy | None = None, transport:
         Route("/metrics", _metrics(state), methods=["GET"]),
         Mount("/admin", app=admin),
         Route("/{path:path}", _passthrough(state),
-              methods=["GET", "POST", "PUT", "DELETE", "PATCH"]),
+              methods=["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"]),
     ]
     app = RouterApp(routes=routes, lifespan=lifespan)
     app.hot_paths = hot

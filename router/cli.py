@@ -7,6 +7,8 @@ import logging
 import sys
 from typing import Any
 
+_LOG_LEVELS = {"critical", "error", "warning", "info", "debug", "trace"}
+
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
@@ -56,6 +58,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvroute serve: invalid configuration: policy: unknown policy {config.policy!r}; "
               f"available: {', '.join(available_policies())}", file=sys.stderr)
         return 2
+    if config.log_level.lower() not in _LOG_LEVELS:
+        print(f"kvroute serve: invalid configuration: log_level: {config.log_level!r} is not one of "
+              f"{', '.join(sorted(_LOG_LEVELS))}", file=sys.stderr)
+        return 2
     if not config.workers:
         print("kvroute serve: no workers configured (use --worker URL or a config file); "
               "workers can also be added later with POST /admin/workers", file=sys.stderr)
@@ -64,15 +70,16 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
     import uvicorn
-    from kvroute.router.app import create_app
+    from kvroute.router.server import build_app
 
-    logging.basicConfig(level=config.log_level.upper(),
+    level = config.log_level.lower()
+    logging.basicConfig(level="DEBUG" if level == "trace" else level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        app = create_app(config)
+        app = build_app(config)
     except (KeyError, TypeError, ValueError) as exc:
         print(f"kvroute serve: {exc}", file=sys.stderr)
         return 2
     uvicorn.run(app, host=config.host, port=config.port, loop="uvloop", http="httptools",
-                log_level=config.log_level, access_log=False, server_header=False, proxy_headers=False)
+                log_level=level, access_log=False, server_header=False, proxy_headers=False)
     return 0

@@ -10,6 +10,7 @@ client disconnect cancels generation.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from typing import Any
 
 import anyio
 import orjson
+from kvroute.router.errors import error_body
 from kvroute.router.metrics import RouterMetrics
 from kvroute.router.registry import WorkerRegistry
 from kvroute.router.transport import Transport, UpstreamError, UpstreamResponse
@@ -28,6 +30,8 @@ _HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-autho
                   "te", "trailer", "trailers", "transfer-encoding", "upgrade", "host", "content-length"})
 _HOP_RESPONSE = _HOP | {"date", "server"}
 _MAX_PENDING = 1 << 20
+
+log = logging.getLogger("kvroute.forwarding")
 
 
 def upstream_headers(raw: list[tuple[bytes, bytes]], request_id: str) -> list[tuple[str, str]]:
@@ -218,8 +222,12 @@ class Forwarder:
                 yield chunk
             result.ok = opened.upstream.status < 400
         except UpstreamError as exc:
-            # Bytes already reached the client: all we can do is end the stream and count the failure.
+            # Bytes already reached the client: end the stream with an error event in the shape vLLM
+            # uses for errors inside a stream (no [DONE]), so the client knows it is incomplete.
             self.metrics.upstream_errors.labels(opened.worker_id, exc.kind).inc()
+            log.warning("worker %s broke a stream: %s", opened.worker_id, exc)
+            yield b"data: " + error_body(502, f"the worker failed in the middle of the stream ({exc.kind})",
+                                         "upstream_error") + b"\n\n"
         finally:
             # Shielded: on a client disconnect the task is being cancelled, and the close must still happen
             # (it is what aborts the worker's generation).

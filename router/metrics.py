@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -84,4 +84,5 @@ class RouterMetrics:
                 gauge.remove(worker_id)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """The router's metrics, then the process-wide ones (the indexer's, process stats)."""
+        return generate_latest(self.registry) + generate_latest(REGISTRY)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvroute.policies.base import NoWorkerError, Policy, RouteOutcome, RoutePlan, RouteRequest
+from kvroute.router.config import RouterConfig
 from kvroute.router.errors import ApiError, no_healthy_worker
 from kvroute.router.forwarding import Forwarder, Result
 from kvroute.router.metrics import RouterMetrics
@@ -79,7 +80,10 @@ class Pipeline:
     """Routes one parsed request and answers it. Subclass to enrich facts or add executors."""
 
     def __init__(self, registry: WorkerRegistry, policy: Policy, forwarder: Forwarder, metrics: RouterMetrics,
-                 *, debug_headers: bool = False, executor: Executor | None = None) -> None:
+                 *, debug_headers: bool = False, executor: Executor | None = None,
+                 config: RouterConfig | None = None) -> None:
+        #: The router's config (model facts, pool settings) for subclasses; None in bare unit tests.
+        self.config = config
         self.registry = registry
         self.policy = policy
         self.forwarder = forwarder

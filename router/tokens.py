@@ -287,6 +287,33 @@ class RemoteTokenizer:
 
 # -- per model -------------------------------------------------------------------------------------------
 
+class PluginTokenizer:
+    """A tokenizer object named by import path (``python:package.module:Factory``) for engines whose
+    tokenizer is not a ``tokenizer.json`` (a custom engine, the simulated workers). The factory builds an
+    object with ``encode(text)`` and ``encode_chat(messages, add_generation_prompt=True)``."""
+
+    PREFIX = "python:"
+
+    def __init__(self, spec: str) -> None:
+        import importlib
+
+        target = spec[len(self.PREFIX):]
+        module_name, _, attr = target.partition(":")
+        try:
+            factory = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError, ValueError) as exc:
+            raise TokenizeError(f"cannot load tokenizer {spec!r}: {exc}") from None
+        self.impl = factory()
+
+    async def prompt_tokens(self, prompt: str) -> list[int]:
+        return list(self.impl.encode(prompt))
+
+    async def chat_tokens(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
+                          tools: Sequence[Mapping[str, Any]] | None = None,
+                          chat_template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+        return list(self.impl.encode_chat(messages, add_generation_prompt=add_generation_prompt))
+
+
 class Tokenizers:
     """Token sources per model: local where a tokenizer folder is configured, else remote ``/tokenize``."""
 
@@ -310,7 +337,7 @@ class Tokenizers:
             return src
         if model in self._local_specs:
             path, template = self._local_specs[model]
-            src = LocalTokenizer(path, template)
+            src = PluginTokenizer(path) if path.startswith(PluginTokenizer.PREFIX) else LocalTokenizer(path, template)
         else:
             url = self.worker_url_for(model)
             if not url:

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import zmq
 from kvroute.sim.presets import PRESETS
 
 ROLES = ("both", "prefill", "decode")
@@ -98,6 +99,6 @@ def run(args: argparse.Namespace) -> int:
         runner = asyncio.run
     try:
         return runner(_serve(args))
-    except (OSError, ValueError) as exc:
-        print(f"kvroute sim: {exc}", file=sys.stderr)
+    except (OSError, ValueError, zmq.ZMQError) as exc:
+        print(f"kvroute sim: cannot start the fleet: {exc}", file=sys.stderr)
         return 1

@@ -74,10 +74,16 @@ class SimFleet:
         return self.workers[index]
 
     def model_config(self) -> dict[str, Any]:
-        """The ``models:`` entry (router/config.py ModelConfig) with the preset's cost-model figures."""
+        """The ``models:`` entry (router/config.py ModelConfig) with the preset's cost-model figures.
+
+        The router measures real seconds, so the figures are the scaled fleet's (a fleet at time scale
+        0.25 prefills four times faster than its preset), and the router tokenizes locally with the same
+        tokenizer the workers use."""
         p = self.preset
-        return {"name": self.model, "block_size": p.block_size,
-                "prefill_tokens_per_s": p.prefill_tokens_per_s, "attention_coeff_s": p.attention_coeff_s,
+        tokenizer = self.workers[0].opts.tokenizer or "python:kvroute.sim.tokenizer:BuiltinTokenizer"
+        return {"name": self.model, "block_size": p.block_size, "tokenizer": tokenizer,
+                "prefill_tokens_per_s": p.prefill_tokens_per_s / self.time_scale,
+                "attention_coeff_s": p.attention_coeff_s * self.time_scale,
                 "bytes_per_token": p.bytes_per_token}
 
     def serve_config(self, **extra: Any) -> dict[str, Any]:

@@ -73,10 +73,7 @@ class PagedCache:
         data = token_bytes(tokens[: count * self.block_size])
         step = self.block_size * 4
         out: list[BlockHash] = []
-        if parent is None:
-            prev = b""
-        else:
-            prev = parent if isinstance(parent, bytes) else parent.to_bytes(8, "little")
+        prev = b"" if parent is None else parent if isinstance(parent, bytes) else parent.to_bytes(8, "little")
         for i in range(count):
             extra = extra_bytes(extra_keys[i]) if extra_keys and i < len(extra_keys) else b""
             chunk = prev + data[i * step:(i + 1) * step] + extra

@@ -53,7 +53,7 @@ class WorkerOptions:
     p2p_poll_s: float = 0.02
     p2p_max_retries: int = 3
     p2p_max_concurrent_transfers: int = 16
-    control_timeout_s: float = 5.0
+    control_timeout_s: float = 2.0
     # -- API --
     default_max_tokens: int = 16
     default_chat_max_tokens: int = 128

@@ -237,3 +237,17 @@ async def test_many_workers_with_varied_prefixes(backend, n_workers: int) -> Non
             cpu = 1
         expected[wid] = (depth, depth - cpu, cpu, 0, 0)
     assert await matches(indexer) == expected
+
+
+async def test_batched_writes_keep_order(indexer: KVIndexer) -> None:
+    """Deferred writes (one per entity per burst) give the same index, purges included."""
+    a, b = Feed(indexer, "a"), Feed(indexer, "b")
+    async with indexer.batched():
+        await a.send(a.chain.store(PROMPT[:64]))
+        await b.send(b.chain.store(PROMPT))
+        await a.send(a.chain.store(PROMPT, start_block=4))
+        await a.send(a.chain.remove(PROMPT, [6]))
+        assert await a.send(Chain(seed=77).store(PROMPT[:32]), seq=0) == "restart"  # purge mid-burst
+        await a.send(Chain(seed=77).store(PROMPT[:48], start_block=2))
+        await b.send(b.chain.remove(PROMPT, [5]))
+    assert await matches(indexer) == {"a": (3, 3, 0, 0, 0), "b": (5, 5, 0, 0, 0)}

@@ -98,3 +98,57 @@ def test_bad_configuration_exits_2(tmp_path: Path, config: dict, message: str) -
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 2
     assert message in out.decode()
+
+
+def test_build_from_config_reader_and_writer() -> None:
+    from kvroute.indexer.cli import build_from_config
+    from kvroute.indexer.memory import MemoryIndex
+    from kvroute.router.config import RouterConfig
+
+    config = RouterConfig.model_validate({
+        "workers": [
+            {"url": "http://127.0.0.1:8101", "id": "a", "models": ["m"], "kv_events": "tcp://127.0.0.1:5557",
+             "dp_size": 2},
+            {"url": "http://127.0.0.1:8102", "id": "b", "models": ["m"]},  # no endpoint, no bind: skipped
+            # No model configured: subscribed once its /v1/models answers.
+            {"url": "http://127.0.0.1:8103", "id": "c", "kv_events": "tcp://127.0.0.1:5560"},
+        ],
+        "models": [{"name": "m", "block_size": 32}],
+        "index": {"subscribe": False},
+    })
+    reader, none = build_from_config(config, backend=MemoryIndex())
+    assert none is None and reader.workers() == [] and reader.block_size("m") == 32
+    writer, sub = build_from_config(config, backend=MemoryIndex(), subscribe=True)
+    assert sub is not None and writer.workers() == ["a"]
+
+
+async def test_workers_without_models_are_discovered() -> None:
+    import uvicorn
+    from fastapi import FastAPI
+    from kvroute.indexer.cli import add_discovered_workers, build_from_config
+    from kvroute.indexer.memory import MemoryIndex
+    from kvroute.router.config import RouterConfig
+
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": "served-model", "object": "model"}]}
+
+    port = free_port()
+    config_ = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
+    server = uvicorn.Server(config_)
+    task = asyncio.create_task(server.serve())
+    try:
+        while not server.started:
+            await asyncio.sleep(0.02)
+        config = RouterConfig.model_validate({"workers": [
+            {"url": f"http://127.0.0.1:{port}", "id": "c", "kv_events": "tcp://127.0.0.1:1"}]})
+        indexer, sub = build_from_config(config, backend=MemoryIndex(), subscribe=True)
+        assert sub is not None and indexer.workers() == []
+        await asyncio.wait_for(add_discovered_workers(config, sub), 20)
+        assert indexer.workers() == ["c"]
+        assert (await indexer.stats())["workers"][0]["model"] == "served-model"
+    finally:
+        server.should_exit = True
+        await task

@@ -39,6 +39,7 @@ def test_check_prints_the_merged_config(capsys: pytest.CaptureFixture[str], tmp_
     ("polcy: x\n", "polcy"),
     ("workers: [\n", "not valid YAML"),
     ("- just\n- a list\n", "mapping"),
+    ("log_level: chatty\n", "log_level"),
 ])
 def test_bad_config_fails_naming_the_field(capsys: pytest.CaptureFixture[str], tmp_path: Path,
                                            yaml_text: str, needle: str) -> None:

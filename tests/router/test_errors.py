@@ -112,3 +112,22 @@ async def test_upstream_error_status_passes_through(two_workers, client: httpx.A
     async with run_router([w1.url]) as (url, _app):
         r = await client.post(url + "/v1/nonexistent", json=COMPLETION)
     assert r.status_code == 404
+
+
+async def test_router_without_workers(client: httpx.AsyncClient) -> None:
+    async with run_router([]) as (url, _app):
+        assert (await client.get(url + "/v1/models")).json() == {"object": "list", "data": []}
+        assert (await client.get(url + "/ready")).status_code == 503
+        r = await client.post(url + "/v1/completions", json=COMPLETION)
+        assert_openai_error(r, 404, "model_not_found")
+        # A passthrough path without a model and no worker at all: 503, not a crash.
+        assert_openai_error(await client.get(url + "/version"), 503, "no_healthy_worker")
+
+
+async def test_unsafe_request_id_is_replaced(two_workers, client: httpx.AsyncClient) -> None:
+    w1, _ = two_workers
+    async with run_router([w1.url]) as (url, _app):
+        r = await client.post(url + "/v1/completions", json=COMPLETION, headers={"X-Request-Id": "a b\tc"})
+    assert r.status_code == 200
+    assert r.headers["x-request-id"] != "a b\tc" and len(r.headers["x-request-id"]) == 32
+    assert w1.seen[-1]["headers"]["x-request-id"] == r.headers["x-request-id"]

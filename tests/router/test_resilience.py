@@ -7,7 +7,7 @@ import asyncio
 import httpx
 
 from tests.router.conftest import run_router
-from tests.router.upstream import FakeWorker, free_port, hangup_server, serve_worker
+from tests.router.upstream import FakeWorker, broken_stream_server, free_port, hangup_server, serve_worker
 
 COMPLETION = {"model": "m1", "prompt": "hello"}
 
@@ -103,3 +103,20 @@ async def test_worker_down_and_back(client: httpx.AsyncClient) -> None:
         workers = {(await client.post(url + "/v1/completions", json=COMPLETION)).json()["worker"]
                    for _ in range(4)}
         assert workers == {"a", "b"}
+
+
+async def test_worker_failing_mid_stream_ends_with_an_error_event(client: httpx.AsyncClient,
+                                                                  http_client: str) -> None:
+    async with broken_stream_server() as bad, \
+            run_router([{"url": bad, "models": ["m1"]}], health_interval_s=60,
+                       http_client=http_client) as (url, app):
+        wid = bad.removeprefix("http://")
+        app.state.kvroute.registry.get(wid).healthy = True
+        r = await client.post(url + "/v1/completions", json={**COMPLETION, "stream": True})
+        assert r.status_code == 200
+        events = [e for e in r.content.split(b"\n\n") if e]
+        assert events[0] == b'data: {"choices":[{"text":"partial"}]}'
+        assert events[-1].startswith(b"data: {\"error\"") and b"[DONE]" not in r.content
+        assert metric(app, "kvroute_upstream_errors_total", worker=wid, kind="protocol") == 1
+        # The router is still serving.
+        assert (await client.get(url + "/health")).status_code == 200

@@ -157,10 +157,14 @@ async def serve(app: Any, lifespan: str = "off") -> AsyncIterator[str]:
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
+        # A graceful exit (not force_exit), so the app's lifespan shutdown runs.
         server.should_exit = True
-        server.force_exit = True
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.wait_for(task, 10)
+        try:
+            await asyncio.wait_for(asyncio.shield(task), 10)
+        except TimeoutError:
+            server.force_exit = True
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait_for(task, 5)
 
 
 @contextlib.asynccontextmanager
@@ -178,6 +182,29 @@ async def hangup_server() -> AsyncIterator[str]:
         with contextlib.suppress(Exception):
             await reader.read(65536)
         writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+@contextlib.asynccontextmanager
+async def broken_stream_server() -> AsyncIterator[str]:
+    """Answers 200 text/event-stream, sends one event, then drops the connection mid-body."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(Exception):
+            await reader.readuntil(b"\r\n\r\n")
+            event = b'data: {"choices":[{"text":"partial"}]}\n\n'
+            head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+            writer.write(head + f"{len(event):x}\r\n".encode() + event + b"\r\n")
+            await writer.drain()
+            await asyncio.sleep(0.05)
+        writer.transport.abort()
 
     server = await asyncio.start_server(handle, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]

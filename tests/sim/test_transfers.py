@@ -122,6 +122,15 @@ async def test_busy_peer_answers_retry_and_the_consumer_recomputes(make_fleet: A
     assert await sent_bytes(client, a.url, "p2p") == 0
 
 
+async def test_dead_peer_costs_a_bounded_wait_then_recompute(make_fleet: Any, client: Any) -> None:
+    from tests.conftest import free_port
+
+    fleet = await make_fleet(1, control_timeout_s=0.3)
+    dead = {"kv_request_id": "x", "remote_host": "127.0.0.1", "remote_port": free_port()}
+    answer = await complete(client, fleet[0].url, words(80), {"remote_kv_source": dead})
+    assert cached(answer) == 0 and answer["usage"]["completion_tokens"] == 2
+
+
 async def test_p2p_control_answers_hit_miss_and_survives_garbage(make_fleet: Any, client: Any) -> None:
     import zmq
     import zmq.asyncio

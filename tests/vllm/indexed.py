@@ -83,9 +83,9 @@ class IndexedPool:
             await self.subscriber.stop()
             self.subscriber = None
 
-    async def matched_blocks(self, worker: str, tokens: list[int]) -> int:
+    async def matched_blocks(self, worker: str, tokens: list[int], cache_salt: str | None = None) -> int:
         assert self.indexer is not None
-        result = await self.indexer.lookup_tokens(MODEL_NAME, tokens)
+        result = await self.indexer.lookup_tokens(MODEL_NAME, tokens, cache_salt=cache_salt)
         match = result.matches.get(worker)
         return 0 if match is None else match.blocks
 
@@ -117,7 +117,7 @@ class IndexedPool:
 
     async def probe(self, server: VllmServer, http: httpx.AsyncClient, rng: random.Random, *,
                     prompt: str | list[int] | None = None, messages: list[dict[str, str]] | None = None,
-                    max_tokens: int = 1) -> Answer:
+                    max_tokens: int = 1, cache_salt: str | None = None) -> Answer:
         """Sync, predict from the index, send, record predicted vs reported cached tokens.
 
         ``prompt`` may be token ids (sent as such: no BOS added), to hit exact block boundaries.
@@ -129,11 +129,12 @@ class IndexedPool:
             tokens, kind = list(prompt), "token ids"
         else:
             tokens, kind = self.tokenizer.completion(prompt or ""), "completion"
-        predicted = engine_cached(len(tokens), await self.matched_blocks(server.name, tokens))
+        predicted = engine_cached(len(tokens), await self.matched_blocks(server.name, tokens, cache_salt))
+        extra = {"cache_salt": cache_salt} if cache_salt else {}
         if messages is not None:
-            answer = await chat(http, server.url, messages, max_tokens=max_tokens)
+            answer = await chat(http, server.url, messages, max_tokens=max_tokens, **extra)
         else:
-            answer = await complete(http, server.url, prompt or "", max_tokens=max_tokens)
+            answer = await complete(http, server.url, prompt or "", max_tokens=max_tokens, **extra)
         assert answer.prompt_tokens == len(tokens), "reference tokens differ from the engine's"
         self.probes.append(Probe(server.name, kind, len(tokens), predicted, answer.cached_tokens))
         return answer

@@ -30,7 +30,7 @@ class WorkerMirror:
     key_of: dict[int | bytes, Key] = field(default_factory=dict)
     copies: dict[Key, int] = field(default_factory=dict)
 
-    async def catch_up(self, settle_s: float = 0.3) -> None:
+    async def catch_up(self, settle_s: float = 0.2) -> None:
         """Apply new batches until two polls ``settle_s`` apart bring nothing new."""
         quiet = 0
         while quiet < 2:

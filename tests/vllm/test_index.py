@@ -120,6 +120,29 @@ async def test_index_agrees_with_engine(indexed: IndexedPool, http: httpx.AsyncC
         assert worker.get("dropped", 0) == 0, f"the indexer dropped messages from {worker['id']}"
 
 
+async def test_cache_salt_isolates_tenants(vllm_pool: list[VllmServer], memory_backend: IndexBackend,
+                                          reference_tokenizer: ReferenceTokenizer, http: httpx.AsyncClient,
+                                          rng: random.Random) -> None:
+    """A tenant's ``cache_salt`` keys its blocks (vLLM puts it in block 0's extra keys; so do we)."""
+    server = vllm_pool[1]
+    pool = IndexedPool([server], memory_backend, reference_tokenizer)
+    await pool.start(prime=True)
+    try:
+        await pool.sync(server, http, rng)
+        shared = prompt_words(rng, 150)
+        await complete(http, server.url, shared, cache_salt="tenant-1")
+        for salt in ("tenant-1", "tenant-2", None):
+            await pool.probe(server, http, rng, prompt=shared + " " + prompt_words(rng, 5), cache_salt=salt)
+        await pool.probe(server, http, rng, messages=[{"role": "user", "content": shared}], cache_salt="t-3")
+        await pool.probe(server, http, rng, messages=[{"role": "user", "content": shared + " more"}],
+                         cache_salt="t-3")
+        pool.assert_all_exact()
+        hits = [p.cached for p in pool.probes]
+        assert hits[0] > 0 and hits[1] == 0 and hits[2] == 0 and hits[4] > 0, pool.probes
+    finally:
+        await pool.stop()
+
+
 @pytest.mark.xfail(strict=True, reason=(
     "indexer/ingest.py drops a key on the first BlockRemoved of its hash; real vLLM holds two copies "
     "of a re-computed block and announces each removal: the index must count copies per hash "

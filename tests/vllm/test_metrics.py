@@ -1,0 +1,38 @@
+"""The router's /metrics scraper reads real vLLM's page: block size, prefix-cache counters, load gauges."""
+
+from __future__ import annotations
+
+import random
+
+import httpx
+import pytest
+from kvroute.router.registry import WorkerLoad, parse_vllm_metrics
+
+from .servers import BLOCK_SIZE, VllmServer
+from .workload import complete, prompt_words
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300, func_only=True)]
+
+
+async def scrape(http: httpx.AsyncClient, server: VllmServer) -> WorkerLoad:
+    resp = await http.get(f"{server.url}/metrics")
+    assert resp.status_code == 200
+    return parse_vllm_metrics(resp.text)
+
+
+@pytest.mark.parametrize("which", [0, 1])
+async def test_scraped_counters_follow_requests(which: int, vllm_pool: list[VllmServer],
+                                                http: httpx.AsyncClient, rng: random.Random) -> None:
+    server = vllm_pool[which]
+    before = await scrape(http, server)
+    assert before.block_size == BLOCK_SIZE, "vllm:cache_config_info{block_size} not read"
+    assert 0.0 <= before.kv_usage <= 1.0
+    prompt = prompt_words(rng, 120)
+    first = await complete(http, server.url, prompt)
+    second = await complete(http, server.url, prompt)
+    assert second.cached_tokens > 0
+    after = await scrape(http, server)
+    # Tests run one at a time, so these two requests are all the server did in between.
+    assert after.prefix_queries - before.prefix_queries == first.prompt_tokens + second.prompt_tokens
+    assert after.prefix_hits - before.prefix_hits == first.cached_tokens + second.cached_tokens
+    assert after.running == 0 and after.waiting == 0
