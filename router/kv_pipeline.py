@@ -90,7 +90,9 @@ class KVPipeline(Pipeline):
         self._sanitize(ctx, body)
         cid = ctx.extra.get("conversation_id")
         keys: list[int] = []
-        if policy.needs_index and self.kv.indexer is not None and self.kv.tokenizers is not None:
+        # Conversation reuse needs the prompt's block keys too, whatever the policy.
+        wants_keys = policy.needs_index or (cid is not None and self.kv.conversations is not None)
+        if wants_keys and self.kv.indexer is not None and self.kv.tokenizers is not None:
             keys = await self._lookup(ctx, facts, body)
         if policy.needs_text:
             facts.prompt_text = prompt_text(body)

@@ -1,0 +1,177 @@
+"""The full router (index + policy + rewriting) against simulated vLLM workers, over real sockets."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+import orjson
+from kvroute.policies.base import Policy, RoutePlan, RouteRequest, WorkerView
+
+from tests.kv.conftest import eventually, routed_fleet, words
+
+
+def completion(model: str, prompt: str, **extra: Any) -> dict[str, Any]:
+    return {"model": model, "prompt": prompt, "max_tokens": 4, **extra}
+
+
+async def indexed_blocks(client: httpx.AsyncClient, url: str, worker_id: str) -> int:
+    stats = (await client.get(f"{url}/admin/index/stats")).json()
+    return sum(w["blocks"] for w in stats["workers"] if w["worker"] == worker_id)
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """Sum of a Prometheus sample's values whose labels include ``labels``."""
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name) or line.startswith(name + "_created"):
+            continue
+        head, _, value = line.rpartition(" ")
+        if head.split("{")[0] != name:
+            continue
+        if all(f'{k}="{v}"' in head for k, v in labels.items()):
+            total += float(value)
+    return total
+
+
+async def test_request_goes_where_its_prefix_lives(client: httpx.AsyncClient) -> None:
+    async with routed_fleet(3, debug_headers=True) as (fleet, url, _):
+        holder = fleet[2]
+        prompt = words(200, "shared")
+        warm = await client.post(f"{holder.url}/v1/completions", json=completion(fleet.model, prompt))
+        assert warm.status_code == 200
+        await eventually(lambda: indexed_blocks(client, url, holder.worker_id))
+        for _ in range(3):
+            r = await client.post(f"{url}/v1/completions", json=completion(fleet.model, prompt + " next"),
+                                  headers={"x-kvroute-debug": "1"})
+            assert r.status_code == 200
+            plan = orjson.loads(r.headers["x-kvroute-plan"])
+            assert plan["prefill"] == holder.worker_id
+            assert plan["predicted_cached_tokens"] >= 192
+            assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 192
+        metrics = (await client.get(f"{url}/metrics")).text
+        assert metric(metrics, "kvroute_stale_decisions_total") == 0
+        assert metric(metrics, "kvroute_checked_decisions_total") == 3
+
+
+async def test_explain_and_index_lookup_show_the_holder(client: httpx.AsyncClient) -> None:
+    async with routed_fleet(2) as (fleet, url, _):
+        holder = fleet[1]
+        prompt = words(100, "x")
+        await client.post(f"{holder.url}/v1/completions", json=completion(fleet.model, prompt))
+        await eventually(lambda: indexed_blocks(client, url, holder.worker_id))
+        explained = await client.post(f"{url}/admin/route/explain", json={"model": fleet.model, "prompt": prompt})
+        assert explained.status_code == 200
+        body = explained.json()
+        assert body["plan"]["prefill"] == holder.worker_id
+        assert len(body["plan"]["candidates"]) >= 2
+        assert body["facts"]["matches"][holder.worker_id]["blocks"] == 100 // 16
+        looked = await client.post(f"{url}/admin/index/lookup", json={"model": fleet.model, "prompt": prompt})
+        assert looked.status_code == 200
+        assert holder.worker_id in str(looked.json())
+
+
+async def test_client_routing_fields_never_reach_the_worker(client: httpx.AsyncClient) -> None:
+    # remote_prefiller + remote_kv_source is a combination the engine refuses (400): it only passes
+    # because the router strips what clients put in kv_transfer_params.
+    hostile = {"remote_prefiller": {"kv_request_id": "x", "remote_host": "10.1.2.3", "remote_port": 1},
+               "remote_kv_source": {"kv_request_id": "y", "remote_host": "10.1.2.3", "remote_port": 2}}
+    async with routed_fleet(2) as (fleet, url, _):
+        direct = await client.post(f"{fleet[0].url}/v1/completions",
+                                   json=completion(fleet.model, "hello", kv_transfer_params=hostile))
+        assert direct.status_code == 400
+        routed = await client.post(f"{url}/v1/completions",
+                                   json=completion(fleet.model, "hello", kv_transfer_params=hostile))
+        assert routed.status_code == 200
+        metrics = (await client.get(f"{url}/metrics")).text
+        assert metric(metrics, "kvroute_client_kv_params_removed_total") >= 2
+
+
+async def test_refuse_mode_rejects_client_routing_fields(client: httpx.AsyncClient) -> None:
+    async with routed_fleet(1, pool={"client_kv_params": "refuse"}) as (fleet, url, _):
+        r = await client.post(f"{url}/v1/completions", json=completion(
+            fleet.model, "hi", kv_transfer_params={"remote_kv_source": {"remote_host": "evil"}}))
+        assert r.status_code == 400
+        assert r.json()["error"]["code"] == "kv_transfer_params_not_allowed"
+        ok = await client.post(f"{url}/v1/completions", json=completion(fleet.model, "hi"))
+        assert ok.status_code == 200
+
+
+class FixedPlan(Policy):
+    """A test policy: always the same plan (to drive one protocol path deterministically)."""
+
+    name = "fixed"
+
+    def __init__(self, prefill: int, decode: int, source: int | None = None) -> None:
+        super().__init__()
+        self.idx = (prefill, decode, source)
+
+    def choose(self, request: RouteRequest, workers: Sequence[WorkerView]) -> RoutePlan:
+        ids = sorted(w.id for w in workers)
+        p, d, s = self.idx
+        return RoutePlan(prefill=ids[p], decode=ids[d], kv_source=ids[s] if s is not None else None,
+                         policy=self.name, reason="test")
+
+
+async def test_p2p_source_serves_the_cached_prefix(client: httpx.AsyncClient) -> None:
+    async with routed_fleet(2, pool={"kv_protocol": "p2p"}) as (fleet, url, app):
+        ids = sorted(w.worker_id for w in fleet.workers)
+        source = next(w for w in fleet.workers if w.worker_id == ids[0])
+        prompt = words(160, "peer")
+        await client.post(f"{source.url}/v1/completions", json=completion(fleet.model, prompt))
+        pipeline = app.state.kvroute.pipeline
+        pipeline.policy = FixedPlan(prefill=1, decode=1, source=0)
+        r = await client.post(f"{url}/v1/completions", json=completion(fleet.model, prompt))
+        assert r.status_code == 200
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 144
+        assert source.stats()["kv_bytes_sent"] > 0
+
+
+async def test_p2p_disaggregated_legs(client: httpx.AsyncClient) -> None:
+    async with routed_fleet(2, roles=["prefill", "decode"], pool={"kv_protocol": "p2p"}) as (fleet, url, app):
+        ids = sorted(w.worker_id for w in fleet.workers)
+        prefill_idx = ids.index(next(w.worker_id for w in fleet.workers if w.opts.role == "prefill"))
+        app.state.kvroute.pipeline.policy = FixedPlan(prefill=prefill_idx, decode=1 - prefill_idx)
+        for stream in (False, True):
+            r = await client.post(f"{url}/v1/completions",
+                                  json=completion(fleet.model, words(100, f"pd{stream}"), stream=stream))
+            assert r.status_code == 200
+            if stream:
+                assert r.text.rstrip().endswith("data: [DONE]")
+        prefiller = next(w for w in fleet.workers if w.opts.role == "prefill")
+        decoder = next(w for w in fleet.workers if w.opts.role == "decode")
+        assert prefiller.stats()["requests"] >= 2
+        assert decoder.stats()["kv_bytes_received"] > 0
+
+
+async def test_nixl_pull_and_conversation_reuse(client: httpx.AsyncClient) -> None:
+    async with routed_fleet(2, roles=["prefill", "decode"], policy="round_robin",
+                            pool={"kv_protocol": "nixl"}) as (fleet, url, _):
+        history = [{"role": "user", "content": words(300, "turn")}]
+        first = await client.post(f"{url}/v1/chat/completions", json={
+            "model": fleet.model, "messages": history, "max_tokens": 8, "conversation_id": "c1"})
+        assert first.status_code == 200
+        assert "conversation_id" not in first.text
+        decoder = next(w for w in fleet.workers if w.opts.role == "decode")
+        assert decoder.stats()["kv_bytes_received"] > 0  # the decode leg pulled the prefill's blocks
+        history += [{"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
+                    {"role": "user", "content": words(40, "more")}]
+        second = await client.post(f"{url}/v1/chat/completions", json={
+            "model": fleet.model, "messages": history, "max_tokens": 8},
+            headers={"x-conversation-id": "c1"})
+        assert second.status_code == 200
+        metrics = (await client.get(f"{url}/metrics")).text
+        assert metric(metrics, "kvroute_conversation_reuse_total", outcome="stored") >= 1
+        assert metric(metrics, "kvroute_conversation_reuse_total", outcome="taken") >= 1
+
+
+async def test_prefill_leg_failure_falls_back_to_local(client: httpx.AsyncClient) -> None:
+    async with routed_fleet(2, roles=["prefill", "decode"], pool={"kv_protocol": "nixl"},
+                            policy="round_robin") as (fleet, url, _):
+        prefiller = next(w for w in fleet.workers if w.opts.role == "prefill")
+        await prefiller.stop()  # the prefill leg is refused: the decoder recomputes locally
+        r = await client.post(f"{url}/v1/completions", json=completion(fleet.model, words(50)))
+        assert r.status_code == 200
+        metrics = (await client.get(f"{url}/metrics")).text
+        assert metric(metrics, "kvroute_kv_fallbacks_total", reason="prefill_leg") >= 1
