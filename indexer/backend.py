@@ -63,6 +63,11 @@ class IndexBackend(ABC):
     async def apply(self, model: str, worker_id: str, ops: Sequence[IndexOp]) -> None:
         """Apply one event batch's operations for one worker, in order."""
 
+    async def apply_many(self, writes: Sequence[tuple[str, str, Sequence[IndexOp]]]) -> None:
+        """Several ``(model, worker_id, ops)`` writes; shared backends send them in one round trip."""
+        for model, worker_id, ops in writes:
+            await self.apply(model, worker_id, ops)
+
     @abstractmethod
     async def lookup(self, model: str, keys: Sequence[int]) -> dict[str, WorkerMatch]:
         """Per worker holding at least the first block: its match. Workers with 0 blocks are omitted."""

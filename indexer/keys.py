@@ -1,9 +1,12 @@
 """kvroute's own block keys: one 64-bit chain over token ids, for events and requests alike.
 
-``key[i] = xxh3_64(key[i-1] || tokens of block i || extra keys of block i)`` with ``key[-1]`` the
-model's root key. vLLM's own block hashes are random per process unless every engine shares
-``PYTHONHASHSEED``, so the index never depends on them: it recomputes this chain from the tokens the
-events carry and keeps, per worker, an alias map from vLLM's hash to ours.
+``key[i] = xxh3_64(tokens of block i || extra keys of block i, seed=key[i-1])`` with ``key[-1]`` the
+model's root key (the previous key as the seed keeps the chain and saves a byte concatenation per
+block: keys of a 32k-token prompt are the hot part of a routing decision).
+
+vLLM's own block hashes are random per process unless every engine shares ``PYTHONHASHSEED``, so the
+index never depends on them: it recomputes this chain from the tokens the events carry and keeps, per
+worker, an alias map from vLLM's hash to ours.
 
 Extra keys follow vLLM's placement: the LoRA name on every block, the tenant's ``cache_salt`` on the
 first block only, so two tenants' identical prompts never share a key.
@@ -70,19 +73,26 @@ def chain_keys(tokens: Sequence[int], block_size: int, parent: int,
         count = min(count, max_blocks)
     if count == 0:
         return []
-    data = token_bytes(tokens[: count * block_size])
+    size = count * block_size
+    packed = array("I", tokens if len(tokens) == size else tokens[:size])
+    if not _LITTLE:
+        packed.byteswap()
+    data = memoryview(packed).cast("B")
     step = block_size * 4
-    keys = [0] * count
+    keys = []
+    append = keys.append
     key = parent & _MASK
+    # The previous key is the seed of the next block's hash: no per-block byte concatenation.
     if extra_keys is None:
-        for i in range(count):
-            key = _hash(key.to_bytes(8, "little") + data[i * step:(i + 1) * step])
-            keys[i] = key
+        for offset in range(0, size * 4, step):
+            key = _hash(data[offset:offset + step], key)
+            append(key)
     else:
-        for i in range(count):
+        for i, offset in enumerate(range(0, size * 4, step)):
             extra = extra_bytes(extra_keys[i]) if i < len(extra_keys) else b""
-            key = _hash(key.to_bytes(8, "little") + data[i * step:(i + 1) * step] + extra)
-            keys[i] = key
+            block = data[offset:offset + step]
+            key = _hash(bytes(block) + extra if extra else block, key)
+            append(key)
     return keys
 
 

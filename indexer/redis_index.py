@@ -81,10 +81,11 @@ class RedisIndex(IndexBackend):
             await self._call("sadd", self.redis.sadd(f"{self.prefix}:models", model))
             self._models_known.add(model)
 
-    async def apply(self, model: str, worker_id: str, ops: Sequence[IndexOp]) -> None:
-        if not ops:
-            return
-        await self._remember_model(model)
+    def _calls(self, model: str, worker_id: str, ops: Sequence[IndexOp]) -> list[list[Any]]:
+        """Script argument lists for one worker's ops, split so no call holds Redis for long."""
+        prefix = self._block_prefix(model)
+        head = [len(prefix) + 8, worker_id, self.ttl_s]
+        calls: list[list[Any]] = []
         args: list[Any] = []
         size = 0
         for op in ops:
@@ -92,16 +93,37 @@ class RedisIndex(IndexBackend):
             tier = int(op.tier).bit_length() - 1 if op.kind != "clear" else 0
             if op.kind != "clear" and (tier < 0 or int(op.tier) != 1 << tier):
                 raise ValueError(f"one tier bit per op, got {op.tier!r}")
-            # Split very large ops so no single script call holds Redis for long.
             chunks = [keys[i:i + MAX_KEYS_PER_CALL] for i in range(0, len(keys), MAX_KEYS_PER_CALL)] or [[]]
             for chunk in chunks:
                 if size and size + len(chunk) > MAX_KEYS_PER_CALL:
-                    await self._run_write(model, worker_id, args)
+                    calls.append(head + args)
                     args, size = [], 0
-                args += [_KIND[op.kind], tier, key_names(self._block_prefix(model), chunk)]
+                args += [_KIND[op.kind], tier, key_names(prefix, chunk)]
                 size += len(chunk)
         if args:
-            await self._run_write(model, worker_id, args)
+            calls.append(head + args)
+        return calls
+
+    async def apply(self, model: str, worker_id: str, ops: Sequence[IndexOp]) -> None:
+        await self.apply_many([(model, worker_id, ops)])
+
+    async def apply_many(self, writes: Sequence[tuple[str, str, Sequence[IndexOp]]]) -> None:
+        """All writes in one pipelined round trip (each script call stays atomic on its own)."""
+        calls = []
+        for model, worker_id, ops in writes:
+            if ops:
+                await self._remember_model(model)
+                calls += [(model, args) for args in self._calls(model, worker_id, ops)]
+        if not calls:
+            return
+        if len(calls) == 1:
+            model, args = calls[0]
+            await self._call("write", self._write(keys=self._model_keys(model), args=args))
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for model, args in calls:
+            await self._write(keys=self._model_keys(model), args=args, client=pipe)
+        await self._call("write", pipe.execute())
 
     async def _run_write(self, model: str, worker_id: str, ops_args: list[Any]) -> None:
         args = [len(self._block_prefix(model)) + 8, worker_id, self.ttl_s, *ops_args]

@@ -91,19 +91,25 @@ local owner = {}
 for i = 1, #flat, 2 do owner[tonumber(flat[i])] = flat[i + 1] end
 local width, names_all = tonumber(ARGV[1]), ARGV[2]
 local n = math.floor(#names_all / width)
-local res, alive = {}, nil
-local prev, run, count = nil, 0, 0
-local function flush()
-  if run == 0 or prev == nil then return end
-  for _, s in ipairs(alive) do
-    local b = string.byte(prev, s + 1) or 0
-    local r = res[s]
-    local m = bit.bor(b, bit.rshift(b, 3))
-    if bit.band(m, 1) ~= 0 then r[2] = r[2] + run
-    elseif bit.band(m, 2) ~= 0 then r[3] = r[3] + run
-    else r[4] = r[4] + run end
-    if bit.band(b, 7) == 0 then r[5] = r[5] + run end
+-- Per matching slot: its current tier byte and where that byte's run started; settled on change.
+local res, cur, start, alive = {}, {}, {}, nil
+local prev, count = nil, 0
+local function bytes_of(v)
+  local out = {}
+  for from = 1, #v, 4000 do
+    local part = {string.byte(v, from, math.min(#v, from + 3999))}
+    for j = 1, #part do out[from + j - 1] = part[j] end
   end
+  return out
+end
+local function credit(s, run, b)
+  if run <= 0 then return end
+  local r = res[s]
+  local m = bit.bor(b, bit.rshift(b, 3))
+  if bit.band(m, 1) ~= 0 then r[2] = r[2] + run
+  elseif bit.band(m, 2) ~= 0 then r[3] = r[3] + run
+  else r[4] = r[4] + run end
+  if bit.band(b, 7) == 0 then r[5] = r[5] + run end
 end
 local done, pos = false, 0
 while not done and pos < n do
@@ -118,38 +124,39 @@ while not done and pos < n do
     local v = vals[j]
     if not v then done = true break end
     if v ~= prev then
+      local bytes = bytes_of(v)
       if alive == nil then
         alive = {}
         for s, _ in pairs(owner) do
-          local b = string.byte(v, s + 1)
+          local b = bytes[s + 1]
           if b and b ~= 0 then
             alive[#alive + 1] = s
-            res[s] = {0, 0, 0, 0, 0}
+            cur[s], start[s], res[s] = b, 0, {0, 0, 0, 0, 0}
           end
         end
       else
-        flush()
-        count = count + run
-        run = 0
         local keep = {}
         for _, s in ipairs(alive) do
-          local b = string.byte(v, s + 1)
-          if b and b ~= 0 then keep[#keep + 1] = s else res[s][1] = count end
+          local b, c = bytes[s + 1] or 0, cur[s]
+          if b ~= c then
+            credit(s, count - start[s], c)
+            if b == 0 then res[s][1] = count else cur[s], start[s] = b, count end
+          end
+          if b ~= 0 then keep[#keep + 1] = s end
         end
         alive = keep
       end
       if #alive == 0 then done = true break end
       prev = v
     end
-    run = run + 1
+    count = count + 1
   end
   pos = pos + m
 end
 local out = {}
-if alive then
-  flush()
-  count = count + run
-  for _, s in ipairs(alive) do res[s][1] = count end
+for _, s in ipairs(alive or {}) do
+  credit(s, count - start[s], cur[s])
+  res[s][1] = count
 end
 for s, r in pairs(res) do
   if r[1] > 0 then

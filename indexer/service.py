@@ -338,10 +338,14 @@ class KVIndexer:
 
     async def _flush_locked(self) -> None:
         pending, self._pending = self._pending, {}
-        for entity, (model, ops) in pending.items():
-            if self._dirty:
-                return  # everything is rewritten from the local views on recovery
-            await self._write(model, entity, ops)
+        if not pending or self._dirty:
+            return  # when dirty, everything is rewritten from the local views on recovery
+        try:
+            await self.backend.apply_many([(model, entity, ops) for entity, (model, ops) in pending.items()])
+        except IndexUnavailable as exc:
+            self._backend_failed("apply", exc)
+            return
+        for model in {model for model, _ in pending.values()}:
             await self._publish_block_size(self.model_info(model))
 
     async def flush(self) -> None:

@@ -6,6 +6,12 @@ the GPU, batch mix and context length, and the index's view of caches lags the e
 
 * a per-model **prefill scale**: observed prefill time ÷ predicted prefill time (EWMA of the log ratio,
   so one outlier cannot swing it far), which corrects the tokens/s rate and attention term together;
+* a per-model **fixed overhead** (HTTP, tokenization, scheduling: time a request costs whatever its
+  size), the intercept of a least-squares fit of observed against predicted prefill time with
+  exponential forgetting. It is subtracted before the scale is learnt: folded into the scale, a
+  constant 10 ms on requests whose prefill is predicted at 3 ms made every prefill (and so every
+  queue replayed from predicted service times) look several times longer than it was, and the policy
+  sent sessions away from their history for queues that were not there;
 * a per-worker **service time**: the recent time one request keeps a worker busy before the next queued
   one starts, used for the queue-wait term (``load x service time``);
 * a **hit ratio**: reported cached tokens ÷ predicted cached tokens, which scales the probability that a
@@ -45,10 +51,18 @@ class Calibrator:
 
     def __init__(self, *, alpha: float = 0.2, default_service_time_s: float = 0.1,
                  stale_tolerance: float = 0.5, window_s: float = 300.0, min_prefill_tokens: int = 128,
+                 overhead_forget: float = 0.05, max_overhead_s: float = 0.5,
                  now: Callable[[], float] = time.monotonic) -> None:
         if not 0 < alpha <= 1:
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        if not 0 < overhead_forget <= 1 or max_overhead_s < 0:
+            raise ValueError("overhead_forget must be in (0, 1] and max_overhead_s >= 0")
         self.alpha = alpha
+        self.overhead_forget = overhead_forget
+        self.max_overhead_s = max_overhead_s
+        #: Per model: exponentially weighted sums (n, x, y, xx, xy) of (predicted prefill at scale 1,
+        #: observed prefill) for the overhead fit.
+        self._fit: dict[str, list[float]] = {}
         self.default_service_time_s = default_service_time_s
         self.stale_tolerance = stale_tolerance
         self.window_s = window_s
@@ -65,6 +79,21 @@ class Calibrator:
     def prefill_scale(self, model: str) -> float:
         """Multiplier on the configured prefill time of ``model`` (1.0 until something was observed)."""
         return math.exp(self._log_prefill_scale.get(model, 0.0))
+
+    def overhead_s(self, model: str) -> float:
+        """Fixed seconds per request of ``model`` outside prefill (0.0 until the fit has spread)."""
+        fit = self._fit.get(model)
+        if fit is None or fit[0] < 3.0:
+            return 0.0
+        n, sx, sy, sxx, sxy = fit
+        mx, my = sx / n, sy / n
+        var = sxx / n - mx * mx
+        if var <= (0.2 * mx) ** 2:  # too little spread in sizes to tell a constant from a rate
+            return 0.0
+        slope = (sxy / n - mx * my) / var
+        if slope <= 0:
+            return 0.0
+        return max(0.0, min(my - slope * mx, 0.9 * my, self.max_overhead_s))
 
     def service_time(self, worker_id: str) -> float:
         """Seconds one outstanding request keeps ``worker_id`` busy, for the queue-wait term."""
@@ -117,14 +146,15 @@ class Calibrator:
         assert ttft is not None
         queue = bd.get("queue_s", 0.0)
         other = sum(bd.get(k, 0.0) for k in _NON_PREFILL_TERMS)
-        # Time the request itself kept the prefill worker busy (its queue wait excluded).
-        busy = max(ttft - queue, 1e-4)
+        # Time the request itself kept the prefill worker busy (its queue wait and the fixed overhead
+        # excluded).
+        busy = max(ttft - queue - self.overhead_s(outcome.model), 1e-4)
         worker = outcome.plan.prefill
         prev = self._service_time.get(worker, self.default_service_time_s)
         self._service_time[worker] = prev + self.alpha * (busy - prev)
         uncached = outcome.prompt_tokens - cached
         per_token = bd.get("prefill_s_per_uncached_token")
-        if uncached < self.min_prefill_tokens or not per_token:
+        if uncached <= 0 or not per_token:
             return
         predicted_prefill = per_token * uncached
         if queue > 0.1 * predicted_prefill:
@@ -132,12 +162,23 @@ class Calibrator:
             # two estimates chase each other. Speed is learnt from requests predicted to start at once.
             return
         observed_prefill = ttft - queue - other
-        if observed_prefill <= 0 or predicted_prefill <= 0:
+        if observed_prefill <= 0:
+            return
+        prev_log = self._log_prefill_scale.get(outcome.model, 0.0)
+        # Small requests teach the overhead best; the scale is learnt from large enough ones only.
+        self._fit_overhead(outcome.model, predicted_prefill / math.exp(prev_log), observed_prefill)
+        observed_prefill -= self.overhead_s(outcome.model)
+        if uncached < self.min_prefill_tokens or observed_prefill <= 0:
             return
         # The prediction already carried the current scale, so the log ratio is the correction still due.
         error = max(-3.0, min(3.0, math.log(observed_prefill / predicted_prefill)))
-        prev_log = self._log_prefill_scale.get(outcome.model, 0.0)
         self._log_prefill_scale[outcome.model] = max(-3.0, min(3.0, prev_log + self.alpha * error))
+
+    def _fit_overhead(self, model: str, x: float, y: float) -> None:
+        keep = 1.0 - self.overhead_forget
+        fit = self._fit.setdefault(model, [0.0] * 5)
+        for i, add in enumerate((1.0, x, y, x * x, x * y)):
+            fit[i] = fit[i] * keep + add
 
     def _trim(self) -> None:
         horizon = self.now() - self.window_s

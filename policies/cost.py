@@ -96,6 +96,8 @@ class _Option:
     """A candidate scored cheaply; turned into a CandidatePlan only when it is shown."""
 
     score: float
+    #: What plans are ranked by: the score plus the affinity penalty (see ``CostParams.affinity_weight``).
+    rank: float
     p: _Local
     d: WorkerView
     source: _Local | None
@@ -105,7 +107,7 @@ class _Option:
     note: str = ""
 
     def key(self) -> tuple[Any, ...]:
-        return (self.score, self.p.worker.id != self.d.id, self.source is not None, self.p.worker.load,
+        return (self.rank, self.p.worker.id != self.d.id, self.source is not None, self.p.worker.load,
                 self.p.worker.id, self.d.id, self.source.worker.id if self.source else "")
 
 
@@ -117,6 +119,8 @@ class _Ctx:
     cap: int
     scale: float
     locals: dict[str, _Local]
+    #: The most expected cached tokens any worker holds locally (what leaving the holder gives up).
+    best_local: float = 0.0
 
 
 @register_policy
@@ -175,6 +179,10 @@ class KvAwarePolicy(Policy):
         bd = plan.breakdown  # the prefill worker is busy for all but the queue and the handoff
         service = bd["total_s"] - bd["queue_s"] - bd["handoff_s"] - bd["decode_queue_s"]
         pending[request.request_id] = (self.calibrator.now(), service)
+        import logging, os  # TEMPDEBUG
+        if os.environ.get("KVDBG"):  # TEMPDEBUG
+            logging.getLogger("kvdbg").warning("DBG %s sc=%.2f oh=%.1f st=%s p=%s %s | %s", request.request_id[:8], self.calibrator.prefill_scale(request.model), self.calibrator.overhead_s(request.model)*1000, {k[-5:]: round(v*1000,1) for k,v in self.calibrator._service_time.items()}, plan.prefill[-5:], plan.reason,  # TEMPDEBUG
+                [(c.prefill[-5:], round(c.score*1000,1), round(c.breakdown["queue_s"]*1000,1), c.predicted_cached_tokens) for c in plan.candidates[:4]])  # TEMPDEBUG
         while len(pending) > self.params.max_pending:
             pending.popitem(last=False)
         return plan
@@ -236,7 +244,8 @@ class KvAwarePolicy(Policy):
                 worker=w, tokens=tokens, cached=cap - left, expected=sum(exp.values()), promotion_s=promotion,
                 queue_s=self._queue_s(w), peer_tokens=min(cap, served), peer_prob=p_remote)
         return _Ctx(request=request, model=model, prompt=prompt, cap=cap,
-                    scale=self.calibrator.prefill_scale(request.model), locals=locals_)
+                    scale=self.calibrator.prefill_scale(request.model), locals=locals_,
+                    best_local=max((lw.expected for lw in locals_.values()), default=0.0))
 
     def _candidates(self, ctx: _Ctx, healthy: list[WorkerView], limit: int | None) -> list[_Option]:
         """Every plan worth weighing. With a ``limit``, prefill workers are visited by a lower bound of
@@ -279,11 +288,11 @@ class KvAwarePolicy(Policy):
                                          or ctx.prompt - lp.cached <= prm.pd_split_threshold_tokens):
                 out.append(self._score(ctx, lp, p, note="decode worker prefills locally"))
             if limit is not None:
-                for o in out[start:]:
+                for o in out[start:]:  # ranks are >= scores, so the bounds stay lower bounds
                     if len(kth) < limit:
-                        heapq.heappush(kth, -o.score)
-                    elif o.score < -kth[0]:
-                        heapq.heapreplace(kth, -o.score)
+                        heapq.heappush(kth, -o.rank)
+                    elif o.rank < -kth[0]:
+                        heapq.heapreplace(kth, -o.rank)
         return out
 
     def _conversation_source(self, ctx: _Ctx) -> _Local | None:
@@ -298,25 +307,33 @@ class KvAwarePolicy(Policy):
     def _queue_s(self, w: WorkerView) -> float:
         """Work ahead of a new request on ``w``.
 
-        The newest ``load`` requests this policy sent there and has not heard back about are what is
+        The newest ``inflight`` requests this policy sent there and has not heard back about are what is
         outstanding (older ones finished unreported). Replayed as a FIFO queue from the times they were
-        sent, with their predicted service times, they say when the worker will be free. Outstanding
-        work it did not send (other router replicas) counts ``load x service time``.
+        sent, with their predicted service times, they say when the worker will be free. Work it cannot
+        replay counts by calibrated service time: in full for requests the router has in flight or the
+        engine reports *waiting*, at ``unknown_running_weight`` for the rest of the engine's *running*
+        count. Those are other clients' requests or, far more often, a scrape older than our own
+        finished requests; either way most running requests are decoding, which delays a new prefill
+        little (continuous batching), and counting them as full prefills sent sessions away from the
+        worker holding their history for a queue that was not there.
         """
         pending = self._pending.get(w.id)
-        load = w.load
         known = 0.0
+        own = 0
         if pending:
-            while len(pending) > load:  # finished, outcome not (yet) reported
+            while len(pending) > w.load:  # finished, outcome not (yet) reported
                 pending.popitem(last=False)
             now = self.calibrator.now()
             free_at = float("-inf")
             for sent, service in pending.values():
                 free_at = max(free_at, sent) + service
             known = max(0.0, free_at - now)
-            load -= len(pending)
-        return known / self.params.queue_parallelism + max(0, load) * self.calibrator.service_time(w.id) \
-            / self.params.queue_parallelism
+            own = len(pending)
+        sent_unknown = max(0, w.inflight - own)
+        scraped = max(0, w.running + w.waiting - max(w.inflight, own))
+        waiting = min(scraped, w.waiting)
+        unknown = sent_unknown + waiting + (scraped - waiting) * self.params.unknown_running_weight
+        return (known + unknown * self.calibrator.service_time(w.id)) / self.params.queue_parallelism
 
     # -- the cost of one candidate ------------------------------------------------------------------
 
@@ -351,7 +368,12 @@ class KvAwarePolicy(Policy):
             moved += ctx.prompt * bpt
         terms = (lp.queue_s, lookup, transfer, lp.promotion_s, prefill, handoff, decode_queue,
                  per_token, cached_exp, float(remote), moved)
-        return _Option(score=sum(terms[:7]), p=lp, d=d, source=source, reuse=reuse,
+        score = sum(terms[:7])
+        # Cached tokens this plan leaves behind on the worker holding the most: their recompute is
+        # certain, the queue it avoids is an estimate from lagging load signals.
+        left_behind = max(0.0, ctx.best_local - cached_exp)
+        rank = score + left_behind * per_token * prm.affinity_weight
+        return _Option(score=score, rank=rank, p=lp, d=d, source=source, reuse=reuse,
                        cached=lp.cached + remote, terms=terms, note=note)
 
     @staticmethod

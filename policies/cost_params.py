@@ -57,6 +57,15 @@ class CostParams:
     #: Queue wait = load x service time / parallelism (service time is calibrated per worker).
     default_service_time_s: float = 0.1
     queue_parallelism: float = 1.0
+    #: Share of a service time counted per request the engine reports running that the router did not
+    #: send (or that a stale scrape still shows): most running requests are decoding, not prefilling.
+    unknown_running_weight: float = 0.2
+    #: Plans are ranked by TTFT + affinity_weight x the recompute time of the cached tokens they leave
+    #: behind on the worker holding the most (0 = pure TTFT). Leaving is certain to cost that recompute,
+    #: while the queue it avoids is estimated from load signals that lag and calibrated service times
+    #: that carry noise; a session should move only for a clear gain (and then keeps moving freely
+    #: under real load: the penalty is bounded, the queue term is not).
+    affinity_weight: float = 1.0
     #: TTFT added per request already outstanding on a separate decode worker.
     decode_queue_s_per_request: float = 0.001
     #: The pool's protocol (router config pool.kv_protocol): P2P sources need "p2p",
@@ -82,8 +91,8 @@ class CostParams:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         for name in ("attention_coeff_s", "lookup_rtt_s", "handoff_s", "kv_pressure_decay",
-                     "default_service_time_s", "decode_queue_s_per_request", "pd_split_threshold_tokens",
-                     "kv_recompute_threshold"):
+                     "default_service_time_s", "decode_queue_s_per_request", "unknown_running_weight",
+                     "affinity_weight", "pd_split_threshold_tokens", "kv_recompute_threshold"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if self.bytes_per_token <= 0:

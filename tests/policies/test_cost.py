@@ -62,7 +62,8 @@ def test_p2p_source_when_fetching_beats_recomputing() -> None:
 
 def test_no_p2p_source_over_a_slow_link() -> None:
     ws = workers(2)
-    ws[1] = dataclasses.replace(ws[1], inflight=40)  # 4 s of queue: recomputing (3.2 s) is cheaper
+    # 8 s of queue: recomputing (3.2 s, ranked 6.2 s with the affinity penalty) is cheaper
+    ws[1] = dataclasses.replace(ws[1], inflight=80)
     policy = kvaware(kv_protocol="p2p", default_bandwidth_bytes_per_s=1e6)
     plan = policy.choose(request(32000, gpu("w1", 1900)), ws)
     assert plan.prefill == "w0" and plan.kv_source is None
@@ -264,3 +265,48 @@ def test_queue_term_replays_the_work_this_policy_sent() -> None:
     assert queue_at_w0("z") == pytest.approx(0.1)  # one request in flight we know nothing about
     ws["w0"] = dataclasses.replace(ws["w0"], inflight=0)
     assert queue_at_w0("w") == 0.0
+
+
+def test_engine_running_count_beyond_what_we_sent_weighs_little() -> None:
+    """A scrape showing requests the router does not have in flight (other clients, or a scrape older
+    than our finished requests) mostly means decoding requests: it must not send a session away from
+    the worker holding its history, while waiting requests and our own in-flight ones count in full."""
+    ws = workers(2)
+    ws[0] = dataclasses.replace(ws[0], running=3)
+    policy = kvaware(calibrate=False)
+    plan = policy.explain(request(4000, gpu("w0", 200)), ws)
+    queue = next(c for c in plan.candidates if c.prefill == "w0").breakdown["queue_s"]
+    assert queue == pytest.approx(3 * 0.2 * 0.1)
+    assert plan.prefill == "w0"
+    ws[0] = dataclasses.replace(ws[0], running=1, waiting=2)
+    plan = policy.explain(request(4000, gpu("w0", 200)), ws)
+    queue = next(c for c in plan.candidates if c.prefill == "w0").breakdown["queue_s"]
+    assert queue == pytest.approx((2 + 0.2) * 0.1)
+    with pytest.raises(ValueError, match="unknown_running_weight"):
+        kvaware(unknown_running_weight=-1)
+
+
+def test_calibration_separates_a_fixed_overhead_from_prefill_speed() -> None:
+    """TTFT = 10 ms + the configured prefill time: the scale must stay near 1 (not absorb the constant)."""
+    policy = kvaware()
+    for i in range(60):
+        n = 200 + (i % 6) * 1500
+        req = request(n, request_id=f"r{i}")
+        plan = policy.choose(req, workers(1))
+        policy.observe(RouteOutcome(f"r{i}", "m", plan, prompt_tokens=n, cached_tokens=0,
+                                    ttft_s=0.01 + n / 10_000.0))
+    assert policy.calibrator.overhead_s("m") == pytest.approx(0.01, rel=0.3)
+    assert policy.calibrator.prefill_scale("m") == pytest.approx(1.0, rel=0.15)
+
+
+def test_a_session_moves_only_for_a_clear_gain() -> None:
+    """Leaving the worker that holds the history costs its recompute for sure; a small predicted queue
+    there must not outweigh that, a long one must (affinity_weight=0 is pure predicted TTFT)."""
+    ws = workers(2)
+    ws[0] = dataclasses.replace(ws[0], inflight=4)  # 0.4 s of unknown work; recomputing 0.32 s is cheaper
+    req = request(4000, gpu("w0", 200))
+    assert kvaware(affinity_weight=0.0, calibrate=False).choose(req, ws).prefill == "w1"
+    assert kvaware(calibrate=False).choose(req, ws).prefill == "w0"
+    ws[0] = dataclasses.replace(ws[0], inflight=10)
+    plan = kvaware(calibrate=False).choose(req, ws)
+    assert plan.prefill == "w1" and "load overrides affinity" in plan.reason

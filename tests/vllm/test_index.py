@@ -34,11 +34,12 @@ class History:
     conversation: list[dict[str, str]] = field(default_factory=list)
 
 
-async def mixed_workload(server: VllmServer, http: httpx.AsyncClient, rng: random.Random) -> History:
-    """Shared prefixes, distinct prompts (twice the cache: evictions), decode blocks, chat turns."""
+async def mixed_workload(server: VllmServer, http: httpx.AsyncClient, rng: random.Random,
+                         distinct: int = 2 * NUM_BLOCKS // 5) -> History:
+    """Shared prefixes, distinct prompts (by default twice the cache: evictions), decode blocks, chat."""
     hist = History(system="you are a careful agent with tools. " + prompt_words(rng, 110))
     hist.conversation = [{"role": "system", "content": hist.system}]
-    for i in range(2 * NUM_BLOCKS // 5):
+    for i in range(distinct):
         distinct = prompt_words(rng, 110)
         hist.distinct.append(distinct)
         answer = await complete(http, server.url, distinct, max_tokens=40 if i % 4 == 0 else 1)
@@ -222,7 +223,7 @@ async def test_vllm_restart_purges_and_reconverges(
     pool = IndexedPool(vllm_pool, memory_backend, reference_tokenizer, grace_s=2.0)
     await pool.start(prime=True)
     try:
-        before = await asyncio.gather(*(mixed_workload(s, http, rng) for s in vllm_pool))
+        before = await asyncio.gather(*(mixed_workload(s, http, rng, distinct=6) for s in vllm_pool))
         for server in vllm_pool:
             await pool.sync(server, http, rng)
         old_prompt = {s.name: h.system + " question: " for s, h in zip(vllm_pool, before, strict=True)}

@@ -8,6 +8,7 @@ of every engine's cache (:mod:`tests.vllm.mirror`), not kvroute's index.
 from __future__ import annotations
 
 import json
+import os
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,7 +30,9 @@ DEBUG = {"X-KVRoute-Debug": "1"}
 
 @pytest.fixture
 def router(vllm_pool: list[VllmServer], tiny_model: Path, tmp_path: Path) -> Iterator[RouterProcess]:
-    proc = make_router(vllm_pool, tiny_model, tmp_path)
+    # A negative control at a shell: KVROUTE_VLLM_TIER_POLICY=round_robin makes the oracle test fail.
+    policy = os.environ.get("KVROUTE_VLLM_TIER_POLICY", "kvaware")
+    proc = make_router(vllm_pool, tiny_model, tmp_path, policy=policy)
     proc.start()
     try:
         yield proc
@@ -177,26 +180,31 @@ async def test_agentic_turns_reach_the_oracle(router: RouterProcess, vllm_pool: 
     await place_prefix(http, router, vllm_pool[0], reference_tokenizer, rng)  # index connected
     oracle = Oracle(vllm_pool)
     tools = "tools: read_file write_file run_tests search. " + prompt_words(rng, 80)
-    sessions = [[{"role": "system", "content": tools + " session " + str(i)}] for i in range(4)]
+    sessions = [[{"role": "system", "content": tools + " session " + str(i)}] for i in range(3)]
     shortfalls = []
-    total_cached = total_oracle = 0
-    for turn in range(5):
-        for i, messages in enumerate(sessions):
+    total_cached = total_oracle = requests = 0
+    for turn in range(6):
+        order = list(range(len(sessions)))
+        rng.shuffle(order)  # an odd count in a shuffled order: no policy sticks to a session by chance
+        for i in order:
+            messages = sessions[i]
             messages.append({"role": "user", "content": f"step {turn}: " + prompt_words(rng, 30)})
             await oracle.catch_up()
             best = oracle.best(reference_tokenizer.chat(messages))
             answer, plan = await routed(http, router, {"messages": messages, "max_tokens": 16},
                                         "/v1/chat/completions")
             cached = cached_of(answer)
+            requests += 1
             total_cached += cached
             total_oracle += best
             if cached < best - BLOCK_SIZE:
                 shortfalls.append((turn, i, plan["prefill"], cached, best, oracle.per_worker(
                     reference_tokenizer.chat(messages))))
             messages.append({"role": "assistant", "content": answer["choices"][0]["message"]["content"]})
+    print(f"cached {total_cached} / oracle {total_oracle}")
     assert total_oracle > 0
     assert not shortfalls, f"requests more than one block below the oracle: {shortfalls}"
-    assert total_cached >= total_oracle - BLOCK_SIZE * 20
+    assert total_cached >= total_oracle - BLOCK_SIZE * requests
 
 
 @pytest.mark.xfail(strict=True, reason=(
