@@ -252,6 +252,11 @@ class KVIndexer:
         rank = batch.dp_rank
         last = ent.last_seq
         outcome: Outcome = "applied"
+        if last is None and seq > 0 and on_gap == "report" and not replay:
+            # First message from a worker that was already running (the router restarted, or a
+            # connecting PUB lost its first batches): catch up from the start of its replay buffer.
+            ent.last_seq = -1
+            return Handled("gap", rank, seq)
         if last is not None and seq != last + 1:
             if seq <= last:
                 if replay or (ent.replay_floor is not None and seq >= ent.replay_floor):

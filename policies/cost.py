@@ -8,8 +8,11 @@ For every candidate plan (prefill worker x optional kv-source peer or conversati
 Each predicted hit counts with the probability that it is still there (per tier, lower on a worker
 whose KV cache is nearly full, scaled by the calibrated hit ratio), so a lagging index costs a little
 expected time instead of a bad bet. Queue wait replays the requests this policy sent to the worker as
-a FIFO queue of their predicted service times (work sent by others counts ``load x service time``): a
-worker holding a popular prefix stops winning once its queue costs more than recomputing elsewhere.
+a FIFO queue of their predicted service times (work it cannot replay counts by calibrated service time,
+engine-reported running requests only in part: they are mostly decoding). Plans are ranked by that TTFT
+plus a bounded penalty for the cached tokens they leave behind on the worker holding the most, so a
+session moves only for a clear gain, while a worker holding a popular prefix still stops winning once
+its queue grows (the queue is unbounded, the penalty is not).
 
 Tiers along a cached run are assumed ordered GPU, then CPU, then STORAGE, as eviction takes a
 sequence's tail first; tiers the request may not read (tier policy) cut the usable run there.
@@ -181,7 +184,7 @@ class KvAwarePolicy(Policy):
         pending[request.request_id] = (self.calibrator.now(), service)
         import logging, os  # TEMPDEBUG
         if os.environ.get("KVDBG"):  # TEMPDEBUG
-            logging.getLogger("kvdbg").warning("DBG %s sc=%.2f oh=%.1f st=%s p=%s %s | %s", request.request_id[:8], self.calibrator.prefill_scale(request.model), self.calibrator.overhead_s(request.model)*1000, {k[-5:]: round(v*1000,1) for k,v in self.calibrator._service_time.items()}, plan.prefill[-5:], plan.reason,  # TEMPDEBUG
+            logging.getLogger("kvdbg").warning("DBG %s sc=%.2f oh=%.1f p=%s %s | %s", request.request_id[:8], self.calibrator.prefill_scale(request.model), self.calibrator.overhead_s(request.model)*1000, plan.prefill[-5:], plan.reason,  # TEMPDEBUG
                 [(c.prefill[-5:], round(c.score*1000,1), round(c.breakdown["queue_s"]*1000,1), c.predicted_cached_tokens) for c in plan.candidates[:4]])  # TEMPDEBUG
         while len(pending) > self.params.max_pending:
             pending.popitem(last=False)
@@ -380,6 +383,7 @@ class KvAwarePolicy(Policy):
     def _materialise(ctx: _Ctx, o: _Option) -> CandidatePlan:
         bd = dict(zip(_TERM_NAMES, o.terms, strict=True))
         bd["total_s"] = o.score
+        bd["affinity_penalty_s"] = o.rank - o.score
         bd["reuse_conversation"] = 1.0 if o.reuse else 0.0
         if not bd["tokens_REMOTE"]:
             del bd["tokens_REMOTE"]
@@ -392,7 +396,7 @@ class KvAwarePolicy(Policy):
             kind += f" + kv from {o.source.worker.id}"
         return CandidatePlan(prefill=o.p.worker.id, decode=o.d.id,
                              kv_source=o.source.worker.id if o.source is not None and not o.reuse else None,
-                             score=o.score, breakdown=bd, predicted_cached_tokens=o.cached,
+                             score=o.rank, breakdown=bd, predicted_cached_tokens=o.cached,
                              note=f"{kind}{'; ' + o.note if o.note else ''}")
 
     # -- the plan ------------------------------------------------------------------------------------
@@ -406,7 +410,7 @@ class KvAwarePolicy(Policy):
         return RoutePlan(
             prefill=best.prefill, decode=best.decode, kv_source=best.kv_source,
             kv_load_tiers=load_tiers, max_offload_tokens=max_offload,
-            predicted_cached_tokens=best.predicted_cached_tokens, predicted_ttft_s=best.score,
+            predicted_cached_tokens=best.predicted_cached_tokens, predicted_ttft_s=best.breakdown["total_s"],
             predicted_by_tier=self._tier_tokens(best), reuse_conversation=ranked[0].reuse,
             reason=self._reason(ctx, best, ranked), breakdown=dict(best.breakdown), candidates=shown,
             policy=self.name,
@@ -419,14 +423,14 @@ class KvAwarePolicy(Policy):
     @staticmethod
     def _reason(ctx: _Ctx, best: CandidatePlan, ranked: list[_Option]) -> str:
         bd = best.breakdown
-        text = (f"lowest predicted TTFT {best.score * 1000:.1f} ms ({best.note}): "
+        text = (f"best plan, predicted TTFT {bd['total_s'] * 1000:.1f} ms ({best.note}): "
                 f"{best.predicted_cached_tokens}/{ctx.prompt} tokens cached, "
                 f"queue {bd['queue_s'] * 1000:.1f} ms, "
                 f"prefill {bd['prefill_s'] * 1000:.1f} ms")
         if len(ranked) > 1:
             runner = ranked[1]
-            gap_ms = (runner.score - best.score) * 1000
-            text += f"; next {runner.p.worker.id}->{runner.d.id} at +{gap_ms:.1f} ms"
+            gap_ms = (runner.rank - best.score) * 1000
+            text += f"; next {runner.p.worker.id}->{runner.d.id} ranked +{gap_ms:.1f} ms behind"
         holder = max(ctx.locals.values(), key=lambda lw: (lw.cached, -lw.queue_s))
         if holder.cached > best.predicted_cached_tokens:
             text += (f"; load overrides affinity: {holder.worker.id} holds {holder.cached} tokens "

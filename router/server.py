@@ -157,8 +157,12 @@ def build_app(config: RouterConfig) -> Starlette:
     tokenizers = Tokenizers.from_models(config.models, client, worker_url_for)
     holder["tokenizers"] = tokenizers
     parts.tokenizers = tokenizers
-    sync = SubscriptionSync(state, EventSubscriber(indexer, bind=config.index.events_bind,
-                                                   grace_s=config.index.worker_gone_grace_s), indexer)
+    # A Redis index expires entries after block_ttl_s (the safety net for lost removals): rewrite the
+    # live blocks well before that, or long-lived hot prefixes (system prompts) would drop out.
+    refresh_s = config.index.block_ttl_s / 3 if config.index.backend == "redis" and config.index.block_ttl_s else None
+    subscriber = EventSubscriber(indexer, bind=config.index.events_bind, grace_s=config.index.worker_gone_grace_s,
+                                 refresh_s=refresh_s)
+    sync = SubscriptionSync(state, subscriber, indexer)
 
     async def start(_: RouterState) -> None:
         if config.index.subscribe:

@@ -110,3 +110,31 @@ async def test_reader_replica_learns_block_size_from_the_writer(redis_url: str) 
     assert [(w["id"], w["blocks"], w.get("source")) for w in stats["workers"]] == [("a", 4, "backend")]
     await writer.backend.close()
     await reader.backend.close()
+
+
+async def test_ttl_safety_net_and_refresh(redis_url: str) -> None:
+    """Stored blocks carry the TTL; a refresh renews it; a block nobody holds any more is deleted."""
+    import redis.asyncio as aioredis
+    from kvroute.indexer.keys import request_keys
+    from kvroute.indexer.redis_index import key_names
+
+    from .fakevllm import frames
+
+    backend = RedisIndex(redis_url, prefix="ttl", ttl_s=100)
+    indexer = KVIndexer(backend)
+    indexer.register_worker("a", "m")
+    chain = Chain()
+    await indexer.handle_message("a", frames([chain.store(PROMPT[:32])], 0))
+    prefix = b"ttl:{m}:b:"
+    names = [key_names(prefix, [k]) for k in request_keys(PROMPT[:32], 16, "m")]
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        assert 90 < await client.ttl(names[0]) <= 100
+        await client.expire(names[0], 5)
+        await indexer.refresh()
+        assert await client.ttl(names[0]) > 90
+        await indexer.handle_message("a", frames([chain.remove(PROMPT, [1])], 1))
+        assert await client.exists(names[1]) == 0 and await client.exists(names[0]) == 1
+    finally:
+        await client.aclose()
+        await backend.close()

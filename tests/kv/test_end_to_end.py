@@ -8,8 +8,11 @@ from typing import Any
 import httpx
 import orjson
 from kvroute.policies.base import Policy, RoutePlan, RouteRequest, WorkerView
+from kvroute.router.config import RouterConfig
+from kvroute.router.server import build_app
 
 from tests.kv.conftest import eventually, routed_fleet, words
+from tests.router.upstream import serve
 
 
 def completion(model: str, prompt: str, **extra: Any) -> dict[str, Any]:
@@ -175,3 +178,20 @@ async def test_prefill_leg_failure_falls_back_to_local(client: httpx.AsyncClient
         assert r.status_code == 200
         metrics = (await client.get(f"{url}/metrics")).text
         assert metric(metrics, "kvroute_kv_fallbacks_total", reason="prefill_leg") >= 1
+
+
+async def test_a_restarted_router_rebuilds_its_index_through_replay(client: httpx.AsyncClient) -> None:
+    async with routed_fleet(2) as (fleet, url, _):
+        holder = fleet[0]
+        await client.post(f"{holder.url}/v1/completions", json=completion(fleet.model, words(160, "old")))
+        await eventually(lambda: indexed_blocks(client, url, holder.worker_id))
+        # A second router starting over workers that already hold blocks (as after a restart): the first
+        # live event it sees triggers a replay from the start of the worker's buffer.
+        config = fleet.serve_config(policy="kvaware", health_interval_s=0.2)
+        async with serve(build_app(RouterConfig.model_validate(config)), lifespan="on") as fresh:
+            await client.post(f"{holder.url}/v1/completions", json=completion(fleet.model, words(40, "new")))
+
+            async def rebuilt() -> bool:
+                return await indexed_blocks(client, fresh, holder.worker_id) >= 160 // 16 + 40 // 16
+
+            await eventually(rebuilt)

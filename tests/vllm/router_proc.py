@@ -91,9 +91,12 @@ class RouterProcess:
             return "(no log)"
 
 
-def make_router(servers: list[VllmServer], model_dir: Path, workdir: Path, policy: str = "kvaware"
-                ) -> RouterProcess:
+def make_router(servers: list[VllmServer], model_dir: Path, workdir: Path, policy: str = "kvaware",
+                index: dict[str, Any] | None = None) -> RouterProcess:
+    """A router config file for the pool (``index`` overrides keys of its ``index`` section)."""
     port = free_port()
+    config = router_config(servers, model_dir, port, policy)
+    config["index"].update(index or {})
     config_path = workdir / f"router-{policy}.yaml"
-    config_path.write_text(yaml.safe_dump(router_config(servers, model_dir, port, policy)))
+    config_path.write_text(yaml.safe_dump(config))
     return RouterProcess(config_path, workdir / f"router-{policy}.log", port)

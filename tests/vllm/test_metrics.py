@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import httpx
@@ -31,8 +32,14 @@ async def test_scraped_counters_follow_requests(which: int, vllm_pool: list[Vllm
     first = await complete(http, server.url, prompt)
     second = await complete(http, server.url, prompt)
     assert second.cached_tokens > 0
-    after = await scrape(http, server)
+    queried = first.prompt_tokens + second.prompt_tokens
+    # Counters are recorded by the API process as engine outputs arrive: give them a moment.
+    for _ in range(50):
+        after = await scrape(http, server)
+        if after.prefix_queries - before.prefix_queries >= queried:
+            break
+        await asyncio.sleep(0.2)
     # Tests run one at a time, so these two requests are all the server did in between.
-    assert after.prefix_queries - before.prefix_queries == first.prompt_tokens + second.prompt_tokens
+    assert after.prefix_queries - before.prefix_queries == queried
     assert after.prefix_hits - before.prefix_hits == first.cached_tokens + second.cached_tokens
     assert after.running == 0 and after.waiting == 0

@@ -225,5 +225,5 @@ async def test_router_restart_rebuilds_through_replay(router: RouterProcess, vll
     for server in vllm_pool:
         for prompt in (prompts[server.name], missed[server.name]):
             tokens = reference_tokenizer.completion(prompt)
-            await wait_for(lambda t=tokens, s=server: _holds(http, router, s.name, t), 30.0,
+            await wait_for(lambda t=tokens, s=server: _holds(http, router, s.name, t), 15.0,
                            what=f"{server.name}'s blocks rebuilt after the router restart")

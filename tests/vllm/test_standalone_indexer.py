@@ -6,6 +6,7 @@ process-side ``KVIndexer`` over the same Redis (what a router with ``index.subsc
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -22,9 +23,9 @@ from kvroute.indexer.redis_index import RedisIndex
 from kvroute.indexer.service import KVIndexer
 
 from .indexed import IndexedPool
-from .router_proc import router_config
+from .router_proc import make_router, router_config
 from .servers import BLOCK_SIZE, MODEL_NAME, VllmServer, free_port
-from .workload import ReferenceTokenizer, complete, prompt_words
+from .workload import ReferenceTokenizer, complete, engine_cached, prompt_words
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600, func_only=True)]
 
@@ -118,3 +119,32 @@ async def test_standalone_indexer_predicts_exactly(reader: ReaderPool, vllm_pool
                                                         {"role": "user", "content": prompt_words(rng, 9)}])
     reader.assert_all_exact()
     assert any(p.cached > 0 for p in reader.probes)
+
+
+async def test_router_replica_routes_by_the_shared_index(reader: ReaderPool, vllm_pool: list[VllmServer],
+                                                          tiny_model: Path, tmp_path: Path, redis_url: str,
+                                                          http: httpx.AsyncClient, rng: random.Random,
+                                                          reference_tokenizer: ReferenceTokenizer) -> None:
+    """kvroute serve with ``index.subscribe: false`` routes by what the stand-alone indexer wrote."""
+    replica = make_router(vllm_pool, tiny_model, tmp_path, index={
+        "backend": "redis", "redis_url": redis_url, "redis_prefix": PREFIX, "subscribe": False,
+        "events_bind": None})
+    replica.start()
+    try:
+        for server in [*vllm_pool, *reversed(vllm_pool)]:
+            await reader.sync(server, http, rng)  # the indexer has everything this worker did so far
+            prompt = prompt_words(rng, 200)
+            blocks = len(reference_tokenizer.completion(prompt)) // BLOCK_SIZE
+            await complete(http, server.url, prompt)
+            await reader.sync(server, http, rng)
+            probe = prompt + " " + prompt_words(rng, 8)
+            resp = await http.post(f"{replica.url}/v1/completions", headers={"X-KVRoute-Debug": "1"},
+                                   json={"model": MODEL_NAME, "prompt": probe, "max_tokens": 1, "temperature": 0})
+            assert resp.status_code == 200, resp.text
+            plan = json.loads(resp.headers["x-kvroute-plan"])
+            assert plan["prefill"] == server.name, plan
+            expected = engine_cached(len(reference_tokenizer.completion(probe)), blocks)
+            assert resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == expected > 0
+            assert plan["predicted_cached_tokens"] == expected, plan
+    finally:
+        replica.stop()
