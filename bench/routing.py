@@ -254,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         text = markdown(rows, baselines if any(r["policy"] in baselines for r in rows) else {})
         print(f"\n## {kind}: medians of {args.repeats} run(s), goodput = TTFT ≤ {args.slo_ms:.0f} ms\n{text}")
         report["tables"][kind] = rows
+        report.setdefault("runs", {})[kind] = per_policy
         png = chart(rows, out / f"routing-{kind}.png",
                     f"{kind} trace: {args.workers} x {args.preset}, medians of {args.repeats} run(s)")
         if png:

@@ -115,7 +115,7 @@ def _check_hashes(value: Any) -> list[BlockHash]:
 
 
 def _str_or(value: Any, default: str, what: str) -> str:
-    if value is None:
+    if value is None or value == "":
         return default
     if not isinstance(value, str):
         raise EventDecodeError("bad_field", f"{what} must be a string")

@@ -25,10 +25,15 @@ class EntityState:
 
     alias: dict[BlockHash, int] = field(default_factory=dict)
     bits: dict[int, int] = field(default_factory=dict)
+    #: Extra copies of a block in one tier, beyond the first: vLLM recomputes the last block of a fully
+    #: cached prompt whose length is a multiple of the block size, stores a second copy under the same
+    #: hash, announces it again, and later sends one BlockRemoved per copy. (key, tier bit) -> extras.
+    copies: dict[tuple[int, int], int] = field(default_factory=dict)
 
     def clear(self) -> None:
         self.alias.clear()
         self.bits.clear()
+        self.copies.clear()
 
     def snapshot_ops(self) -> list[IndexOp]:
         """Operations that rewrite this entity from scratch (clear, then its blocks per tier)."""
@@ -117,6 +122,7 @@ def _remove(state: EntityState, bit: int, hashes: list[BlockHash]) -> list[int]:
     alias = state.alias
     bits = state.bits
     keys = []
+    copies = state.copies
     for h in hashes:
         key = alias.get(h)
         if key is None:
@@ -124,6 +130,13 @@ def _remove(state: EntityState, bit: int, hashes: list[BlockHash]) -> list[int]:
         old = bits.get(key, 0)
         if not old & bit:
             continue
+        if copies and (key, bit) in copies:
+            extra = copies[(key, bit)] - 1
+            if extra:
+                copies[(key, bit)] = extra
+            else:
+                del copies[(key, bit)]
+            continue  # another copy still holds the block
         keys.append(key)
         if old == bit:
             del bits[key]
@@ -170,6 +183,9 @@ def translate(state: EntityState, model: ModelInfo, batch: EventBatch) -> BatchR
             if keys is None:
                 continue
             bit = _tier(event.medium, event.locality)
+            for key in keys:
+                if bits_table.get(key, 0) & bit:
+                    state.copies[(key, bit)] = state.copies.get((key, bit), 0) + 1
             if len(keys) == 1:
                 bits_table[keys[0]] = bits_table.get(keys[0], 0) | bit
             else:

@@ -108,6 +108,9 @@ class _Entity:
     #: While catching up after a replay: live sequence numbers at or above this, behind ``last_seq``,
     #: are overlap with what the replay delivered. Otherwise a sequence going backwards is a restart.
     replay_floor: int | None = None
+    #: Timestamp of the last batch applied: overlap re-delivers batches no newer than it, while an engine
+    #: that restarted sends new batches (newer timestamps) with small sequence numbers again.
+    last_ts: float = 0.0
     last_event: float | None = None
     last_lag: float | None = None
     events: int = 0
@@ -259,7 +262,8 @@ class KVIndexer:
             return Handled("gap", rank, seq)
         if last is not None and seq != last + 1:
             if seq <= last:
-                if replay or (ent.replay_floor is not None and seq >= ent.replay_floor):
+                overlap = ent.replay_floor is not None and seq >= ent.replay_floor and batch.ts <= ent.last_ts
+                if replay or overlap:
                     return Handled("duplicate", rank, seq)
                 await self._purge_entity(ent, "engine_restart")
                 outcome = "restart"
@@ -276,10 +280,20 @@ class KVIndexer:
                     await self._purge_entity(ent, "gap")
                     outcome = "resync"
         ent.last_seq = seq
+        ent.last_ts = max(ent.last_ts, batch.ts)
         if not replay:
             ent.replay_floor = None
         await self.apply_batch(ent, batch)
         return Handled(outcome, rank, seq)
+
+    def prime_catch_up(self, worker_id: str, dp_rank: int = 0) -> bool:
+        """Before any message of this rank was seen: expect sequence 0, so a replay starts there.
+        False when the rank already has a position (nothing to catch up)."""
+        ent = self._entity(worker_id, dp_rank)
+        if ent is None or ent.last_seq is not None:
+            return False
+        ent.last_seq = -1
+        return True
 
     def expected_seq(self, worker_id: str, dp_rank: int = 0) -> int | None:
         ent = self._entities.get(entity_id(worker_id, dp_rank))

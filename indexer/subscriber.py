@@ -179,8 +179,19 @@ class EventSubscriber:
 
     # ---- loops ---------------------------------------------------------------------------------
 
+    async def _catch_up(self, spec: WorkerSpec) -> None:
+        """At subscribe time, replay each rank's buffer from its start: vLLM never re-announces blocks it
+        cached before we connected, so without this an idle worker's cache stays unknown until it speaks.
+        Live messages wait in the socket meanwhile and are recognised as overlap afterwards."""
+        if spec.replay is None:
+            return
+        for rank in range(spec.dp_size):
+            if self.indexer.prime_catch_up(spec.worker_id, rank):
+                await self.replay(spec, rank)
+
     async def _worker_loop(self, spec: WorkerSpec, sock: zmq.asyncio.Socket) -> None:
         try:
+            await self._catch_up(spec)
             while True:
                 burst = await _drain(sock)
                 async with self.indexer.batched():

@@ -8,7 +8,7 @@ the GPU, batch mix and context length, and the index's view of caches lags the e
   so one outlier cannot swing it far), which corrects the tokens/s rate and attention term together;
 * a per-model **fixed overhead** (HTTP, tokenization, scheduling: time a request costs whatever its
   size), the intercept of a least-squares fit of observed against predicted prefill time with
-  exponential forgetting. It is subtracted before the scale is learnt: folded into the scale, a
+  exponential forgetting; once it holds, the scale follows the fitted rate. Folded into the scale, a
   constant 10 ms on requests whose prefill is predicted at 3 ms made every prefill (and so every
   queue replayed from predicted service times) look several times longer than it was, and the policy
   sent sessions away from their history for queues that were not there;
@@ -82,18 +82,24 @@ class Calibrator:
 
     def overhead_s(self, model: str) -> float:
         """Fixed seconds per request of ``model`` outside prefill (0.0 until the fit has spread)."""
+        line = self._line(model)
+        return line[0] if line is not None else 0.0
+
+    def _line(self, model: str) -> tuple[float, float] | None:
+        """(intercept, slope) of observed vs predicted-at-scale-1 prefill, once sizes have spread."""
         fit = self._fit.get(model)
         if fit is None or fit[0] < 3.0:
-            return 0.0
+            return None
         n, sx, sy, sxx, sxy = fit
         mx, my = sx / n, sy / n
         var = sxx / n - mx * mx
         if var <= (0.2 * mx) ** 2:  # too little spread in sizes to tell a constant from a rate
-            return 0.0
+            return None
         slope = (sxy / n - mx * my) / var
         if slope <= 0:
-            return 0.0
-        return max(0.0, min(my - slope * mx, 0.9 * my, self.max_overhead_s))
+            return None
+        intercept = max(0.0, min(my - slope * mx, 0.9 * my, self.max_overhead_s))
+        return intercept, (my - intercept) / mx if mx > 0 else slope
 
     def service_time(self, worker_id: str) -> float:
         """Seconds one outstanding request keeps ``worker_id`` busy, for the queue-wait term."""
@@ -167,11 +173,17 @@ class Calibrator:
         prev_log = self._log_prefill_scale.get(outcome.model, 0.0)
         # Small requests teach the overhead best; the scale is learnt from large enough ones only.
         self._fit_overhead(outcome.model, predicted_prefill / math.exp(prev_log), observed_prefill)
-        observed_prefill -= self.overhead_s(outcome.model)
-        if uncached < self.min_prefill_tokens or observed_prefill <= 0:
+        if uncached < self.min_prefill_tokens:
             return
-        # The prediction already carried the current scale, so the log ratio is the correction still due.
-        error = max(-3.0, min(3.0, math.log(observed_prefill / predicted_prefill)))
+        line = self._line(outcome.model)
+        if line is not None:
+            # The fitted rate (what remains of the mean observation once the constant is taken out),
+            # not one residual: a noisy intercept subtracted from a small sample made the scale collapse.
+            target = math.log(max(line[1], 1e-3))
+        else:
+            target = prev_log + math.log(observed_prefill / predicted_prefill)
+        # One sample moves the scale by at most alpha x 1 in log space, whatever outlier it is.
+        error = max(-1.0, min(1.0, target - prev_log))
         self._log_prefill_scale[outcome.model] = max(-3.0, min(3.0, prev_log + self.alpha * error))
 
     def _fit_overhead(self, model: str, x: float, y: float) -> None:

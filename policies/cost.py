@@ -182,10 +182,6 @@ class KvAwarePolicy(Policy):
         bd = plan.breakdown  # the prefill worker is busy for all but the queue and the handoff
         service = bd["total_s"] - bd["queue_s"] - bd["handoff_s"] - bd["decode_queue_s"]
         pending[request.request_id] = (self.calibrator.now(), service)
-        import logging, os  # TEMPDEBUG
-        if os.environ.get("KVDBG"):  # TEMPDEBUG
-            logging.getLogger("kvdbg").warning("DBG %s sc=%.2f oh=%.1f p=%s %s | %s", request.request_id[:8], self.calibrator.prefill_scale(request.model), self.calibrator.overhead_s(request.model)*1000, plan.prefill[-5:], plan.reason,  # TEMPDEBUG
-                [(c.prefill[-5:], round(c.score*1000,1), round(c.breakdown["queue_s"]*1000,1), c.predicted_cached_tokens) for c in plan.candidates[:4]])  # TEMPDEBUG
         while len(pending) > self.params.max_pending:
             pending.popitem(last=False)
         return plan

@@ -72,6 +72,20 @@ async def test_removal_cuts_the_run(indexer: KVIndexer) -> None:
     assert (await indexer.stats())["workers"][0]["blocks"] == 4
 
 
+async def test_a_block_stored_twice_needs_two_removals(indexer: KVIndexer) -> None:
+    # vLLM recomputes the last block of a fully cached, block-aligned prompt and holds two copies under
+    # one hash, announcing each store and each removal: the first removal must not drop the block.
+    a = Feed(indexer, "a")
+    await a.send(a.chain.store(PROMPT))
+    await a.send(a.chain.store(PROMPT, start_block=7))
+    await a.send(a.chain.remove(PROMPT, [7]))
+    assert await matches(indexer) == {"a": (8, 8, 0, 0, 0)}
+    await a.send(a.chain.remove(PROMPT, [7]))
+    assert await matches(indexer) == {"a": (7, 7, 0, 0, 0)}
+    await a.send(a.chain.remove(PROMPT, [7]))  # a removal beyond the copies is ignored
+    assert await matches(indexer) == {"a": (7, 7, 0, 0, 0)}
+
+
 async def test_all_blocks_cleared(indexer: KVIndexer) -> None:
     a, b = Feed(indexer, "a"), Feed(indexer, "b")
     await a.send(a.chain.store(PROMPT))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 from kvroute.indexer.backend import WorkerMatch
@@ -310,3 +311,10 @@ def test_a_session_moves_only_for_a_clear_gain() -> None:
     ws[0] = dataclasses.replace(ws[0], inflight=10)
     plan = kvaware(calibrate=False).choose(req, ws)
     assert plan.prefill == "w1" and "load overrides affinity" in plan.reason
+
+
+def test_one_outlier_moves_the_prefill_scale_a_bounded_step() -> None:
+    policy = kvaware()
+    plan = policy.choose(request(10000), workers(1))
+    policy.observe(RouteOutcome("r1", "m", plan, prompt_tokens=10000, cached_tokens=0, ttft_s=1000.0))
+    assert policy.calibrator.prefill_scale("m") == pytest.approx(math.exp(0.2))  # alpha x a capped error

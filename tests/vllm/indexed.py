@@ -16,7 +16,7 @@ from kvroute.indexer.backend import IndexBackend
 from kvroute.indexer.service import KVIndexer
 from kvroute.indexer.subscriber import EventSubscriber, WorkerSpec
 
-from .kvwire import replay, wait_for
+from .kvwire import wait_for
 from .servers import BLOCK_SIZE, MODEL_NAME, VllmServer
 from .workload import Answer, ReferenceTokenizer, chat, complete, engine_cached, prompt_words
 
@@ -58,24 +58,17 @@ class IndexedPool:
     subscriber: EventSubscriber | None = None
     probes: list[Probe] = field(default_factory=list)
 
-    async def start(self, indexer: KVIndexer | None = None, *, prime: bool = False) -> None:
+    async def start(self, indexer: KVIndexer | None = None) -> None:
         """Subscribe (a fresh indexer unless one is given: the 'router restarted' cases).
 
-        ``prime`` first feeds each worker's whole replay buffer (seq 0 on) into the indexer, as a
-        router that ran since the engines started would have seen it. The session's servers have
-        served other tests before: without the history, blocks cached then (and never announced
-        again, since vLLM only announces a block when it is computed) would be unknown.
+        The session's servers have served other tests before: the subscriber's catch-up replay (on a
+        worker's first message) must bring that history in, or the first probes fail.
         """
         self.indexer = indexer or KVIndexer(self.backend)
         bind = next((s.events for s in self.servers if not s.vllm_binds_events), None)
         self.subscriber = EventSubscriber(self.indexer, bind=bind, grace_s=self.grace_s)
         for server in self.servers:
             self.subscriber.add_worker(spec_for(server))
-        if prime:
-            for server in self.servers:
-                for raw in await replay(server, 0):
-                    frames = [raw.topic, raw.seq.to_bytes(8, "big"), raw.payload]
-                    await self.indexer.handle_message(server.name, frames, replay=True)
         await self.subscriber.start()
 
     async def stop(self) -> None:

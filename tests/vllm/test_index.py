@@ -109,7 +109,7 @@ async def run_and_probe(pool: IndexedPool, http: httpx.AsyncClient, rng: random.
 async def test_index_agrees_with_engine(indexed: IndexedPool, http: httpx.AsyncClient,
                                         rng: random.Random) -> None:
     """A fresh probe on each worker: predicted == reported cached tokens, after evictions and chat."""
-    await indexed.start(prime=True)
+    await indexed.start()
     for server in indexed.servers:
         await indexed.sync(server, http, rng)  # connected before the workload (late start: see below)
     await run_and_probe(indexed, http, rng)
@@ -127,7 +127,7 @@ async def test_cache_salt_isolates_tenants(vllm_pool: list[VllmServer], memory_b
     """A tenant's ``cache_salt`` keys its blocks (vLLM puts it in block 0's extra keys; so do we)."""
     server = vllm_pool[1]
     pool = IndexedPool([server], memory_backend, reference_tokenizer)
-    await pool.start(prime=True)
+    await pool.start()
     try:
         await pool.sync(server, http, rng)
         shared = prompt_words(rng, 150)
@@ -144,10 +144,6 @@ async def test_cache_salt_isolates_tenants(vllm_pool: list[VllmServer], memory_b
         await pool.stop()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "indexer/ingest.py drops a key on the first BlockRemoved of its hash; real vLLM holds two copies "
-    "of a re-computed block and announces each removal: the index must count copies per hash "
-    "(remove this marker when it does)"))
 async def test_duplicate_block_copies(vllm_pool: list[VllmServer], memory_backend: IndexBackend,
                                       reference_tokenizer: ReferenceTokenizer, http: httpx.AsyncClient,
                                       rng: random.Random) -> None:
@@ -160,7 +156,7 @@ async def test_duplicate_block_copies(vllm_pool: list[VllmServer], memory_backen
     """
     server = vllm_pool[0]
     pool = IndexedPool([server], memory_backend, reference_tokenizer)
-    await pool.start(prime=True)
+    await pool.start()
     try:
         await pool.sync(server, http, rng)
         ids = [rng.randrange(10, 1000) for _ in range(3 * BLOCK_SIZE)]
@@ -181,7 +177,7 @@ async def test_subscriber_restart_catches_up_through_replay(
         http: httpx.AsyncClient, rng: random.Random) -> None:
     """Subscriber down while the workers keep working; back up, a sequence gap triggers a replay."""
     pool = IndexedPool(vllm_pool, memory_backend, reference_tokenizer)
-    await pool.start(prime=True)
+    await pool.start()
     try:
         for server in vllm_pool:
             await pool.sync(server, http, rng)
@@ -198,9 +194,6 @@ async def test_subscriber_restart_catches_up_through_replay(
         await pool.stop()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "indexer/subscriber.py does not replay a worker's buffer when it first hears from it (no last "
-    "seq yet): blocks cached before the router started stay unknown (remove this marker when it does)"))
 async def test_fresh_router_rebuilds_through_replay(
         vllm_pool: list[VllmServer], memory_backend: IndexBackend, reference_tokenizer: ReferenceTokenizer,
         http: httpx.AsyncClient, rng: random.Random) -> None:
@@ -221,7 +214,7 @@ async def test_vllm_restart_purges_and_reconverges(
         http: httpx.AsyncClient, rng: random.Random) -> None:
     """Both engines restart (cache empty, seq 0): their old entries go, then predictions are exact."""
     pool = IndexedPool(vllm_pool, memory_backend, reference_tokenizer, grace_s=2.0)
-    await pool.start(prime=True)
+    await pool.start()
     try:
         before = await asyncio.gather(*(mixed_workload(s, http, rng, distinct=6) for s in vllm_pool))
         for server in vllm_pool:

@@ -207,14 +207,11 @@ async def test_agentic_turns_reach_the_oracle(router: RouterProcess, vllm_pool: 
     assert total_cached >= total_oracle - BLOCK_SIZE * requests
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "indexer/subscriber.py does not replay a worker's buffer when it first hears from it (no last "
-    "seq yet): what the engines cached while the router was down stays unknown (remove this marker "
-    "when it does)"))
 async def test_router_restart_rebuilds_through_replay(router: RouterProcess, vllm_pool: list[VllmServer],
                                                       http: httpx.AsyncClient, rng: random.Random,
                                                       reference_tokenizer: ReferenceTokenizer) -> None:
-    """A router restarted mid-run knows what the engines cached while it was away (replay)."""
+    """A router restarted mid-run learns, through the replay endpoint, what the engines cached before
+    and while it was away."""
     prompts = {s.name: await place_prefix(http, router, s, reference_tokenizer, rng) for s in vllm_pool}
     router.stop()
     missed = {}
@@ -223,6 +220,9 @@ async def test_router_restart_rebuilds_through_replay(router: RouterProcess, vll
         await complete(http, server.url, missed[server.name])
     router.start()
     for server in vllm_pool:
+        # Traffic goes on (straight to the worker): its first batch makes the router catch up from
+        # the replay buffer. An idle worker's history is only fetched once it publishes again.
+        await place_prefix(http, router, server, reference_tokenizer, rng)
         for prompt in (prompts[server.name], missed[server.name]):
             tokens = reference_tokenizer.completion(prompt)
             await wait_for(lambda t=tokens, s=server: _holds(http, router, s.name, t), 15.0,
