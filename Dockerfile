@@ -9,7 +9,7 @@ COPY router ./router
 COPY indexer ./indexer
 COPY policies ./policies
 COPY sim ./sim
-# aiohttp is the faster upstream client (docs/benchmarks-proxy.md); httpx stays as the fallback.
+# aiohttp is the faster upstream client (docs/benchmarks.md); httpx stays as the fallback.
 RUN pip install --no-cache-dir --prefix=/install . aiohttp
 
 FROM python:3.11-slim

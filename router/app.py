@@ -122,7 +122,7 @@ class RouterApp(Starlette):
     """Starlette, with the two generation routes dispatched before its middleware and router.
 
     Their endpoints already turn every failure into a JSON error, so Starlette's error middleware and
-    route matching only add per-request cost there (measured in docs/benchmarks-proxy.md).
+    route matching only add per-request cost there (measured in docs/benchmarks.md).
     """
 
     hot_paths: dict[str, Callable[[Request], Any]]

@@ -209,7 +209,7 @@ class AiohttpTransport(Transport):
 
 def make_transport(kind: str, connect_timeout: float, read_timeout: float) -> Transport:
     """``auto`` picks aiohttp when it is installed: it measured several times faster than httpx on the hot
-    path (bench/proxy_overhead.py, docs/benchmarks-proxy.md)."""
+    path (bench/proxy_overhead.py, docs/benchmarks.md)."""
     if kind == "auto":
         try:
             import aiohttp  # noqa: F401
