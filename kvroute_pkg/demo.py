@@ -20,7 +20,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("demo", help="simulated fleet + router + agentic trace, every policy compared")
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--preset", default="llama-8b-h100")
-    p.add_argument("--sessions", type=int, default=10, help="agent sessions in the trace")
+    p.add_argument("--sessions", type=int, default=16, help="agent sessions in the trace")
     p.add_argument("--steps", default="6,12", help="steps per session, min,max")
     p.add_argument("--time-scale", type=float, default=0.25, help="model seconds x scale = real seconds")
     p.add_argument("--seed", type=int, default=7)
