@@ -25,6 +25,8 @@ from kvroute.indexer.events import (
     encode_seq,
 )
 
+from tests.polling import eventually as eventually
+
 
 class Chain:
     """Prompts -> BlockStored events with vLLM-like random hashes and parent links."""
@@ -156,17 +158,3 @@ class Publisher:
             await self._task
         self.pub.close(0)
         self.router.close(0)
-
-
-async def eventually(predicate, timeout: float = 10.0, interval: float = 0.02) -> None:  # type: ignore[no-untyped-def]
-    """Wait until ``predicate()`` (sync or async) is true; fail the test after a generous timeout."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if asyncio.iscoroutine(value):
-            value = await value
-        if value:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(interval)

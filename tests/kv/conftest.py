@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -13,6 +12,7 @@ from kvroute.router.config import RouterConfig
 from kvroute.router.server import build_app
 from kvroute.sim.fleet import SimFleet
 
+from tests.polling import eventually as eventually
 from tests.router.upstream import serve
 
 FAST = 0.01
@@ -34,20 +34,6 @@ async def routed_fleet(n: int = 2, *, roles: list[str] | None = None, policy: st
         app = build_app(RouterConfig.model_validate(config))
         async with serve(app, lifespan="on") as url:
             yield fleet, url, app
-
-
-async def eventually(check: Callable[[], Any], timeout: float = 10.0) -> Any:
-    """Poll an async or sync check until it returns something truthy."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
-        result = check()
-        if asyncio.iscoroutine(result):
-            result = await result
-        if result:
-            return result
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.05)
 
 
 @pytest.fixture

@@ -6,6 +6,7 @@ import asyncio
 
 import httpx
 
+from tests.polling import eventually as wait_for
 from tests.router.conftest import run_router
 from tests.router.upstream import FakeWorker, broken_stream_server, free_port, hangup_server, serve_worker
 
@@ -15,15 +16,6 @@ COMPLETION = {"model": "m1", "prompt": "hello"}
 def metric(app, name: str, **labels: str) -> float:
     value = app.state.kvroute.metrics.registry.get_sample_value(name, labels or None)
     return value or 0.0
-
-
-async def wait_for(predicate, timeout: float = 10.0) -> None:
-    """Poll until ``predicate()`` is true (a bounded wait, not a timing assertion)."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.02)
 
 
 async def test_refused_connection_is_retried_on_another_worker(client: httpx.AsyncClient,

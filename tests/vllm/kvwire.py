@@ -6,12 +6,13 @@ raw frames exactly as vLLM sends them, so the indexer's own subscriber can be ch
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
 from kvroute.indexer.events import REPLAY_END_SEQ, decode_seq
+
+from tests.polling import eventually
 
 from .servers import VllmServer
 
@@ -102,15 +103,6 @@ async def replay(server: VllmServer, start_seq: int = 0, timeout: float = 30.0) 
         sock.close(linger=0)
 
 
-async def wait_for(predicate, timeout: float, interval: float = 0.1, what: str = "condition") -> None:
+async def wait_for(predicate, timeout: float, interval: float = 0.1, what: str = "condition") -> None:  # type: ignore[no-untyped-def]
     """Poll an async or sync predicate until true; a generous wait, never a timing assertion."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
-        value = predicate()
-        if asyncio.iscoroutine(value):
-            value = await value
-        if value:
-            return
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        await asyncio.sleep(interval)
+    await eventually(predicate, timeout, interval, what)
