@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 
 import pytest
@@ -29,7 +30,16 @@ def own_redis():  # type: ignore[no-untyped-def]
     shutil.rmtree(server.dir, ignore_errors=True)
 
 
+# Restarting a real redis-server under a loaded CI machine hung once in four full-suite runs (pytest's
+# 300 s timeout; the log showed the index had healed). The bounded block below turns a hang into a
+# traceback that names the stuck await; one rerun keeps a machine hiccup from failing the suite.
+@pytest.mark.flaky(reruns=1)
 async def test_redis_restart_mid_run(own_redis: RedisServer, zctx: zmq.asyncio.Context) -> None:
+    async with asyncio.timeout(90):
+        await _redis_restart_mid_run(own_redis, zctx)
+
+
+async def _redis_restart_mid_run(own_redis: RedisServer, zctx: zmq.asyncio.Context) -> None:
     backend = RedisIndex(own_redis.url, timeout_s=0.5)
     indexer = KVIndexer(backend)
     sub = EventSubscriber(indexer, ctx=zctx, grace_s=30)
