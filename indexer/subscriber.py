@@ -79,6 +79,21 @@ def _sub_socket(ctx: zmq.asyncio.Context) -> zmq.asyncio.Socket:
     return sock
 
 
+async def _bind_when_free(sock: zmq.asyncio.Socket, endpoint: str, wait_s: float = 5.0) -> None:
+    """Bind, waiting briefly while the address is still held: ZeroMQ releases a closed socket's listener
+    in its I/O thread, so a subscriber restarted at once (a router restart) can find it busy."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    while True:
+        try:
+            sock.bind(endpoint)
+            return
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EADDRINUSE or loop.time() > deadline:
+                raise
+        await asyncio.sleep(0.05)
+
+
 class EventSubscriber:
     """Owns the sockets and tasks feeding one indexer."""
 
@@ -142,7 +157,7 @@ class EventSubscriber:
         if self.bind:
             self._bound = _sub_socket(self.ctx)
             self._bound.setsockopt(zmq.SUBSCRIBE, b"")
-            self._bound.bind(self.bind)
+            await _bind_when_free(self._bound, self.bind)
             self.bound_endpoint = self._bound.getsockopt(zmq.LAST_ENDPOINT).decode()
             self._bound_task = asyncio.create_task(self._bound_loop(self._bound), name="kv-events-bound")
         for spec in self._specs.values():
@@ -162,6 +177,8 @@ class EventSubscriber:
         self._tasks.clear()
         self._bound_task = self._watchdog = None
         if self._bound is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._bound.unbind(self.bound_endpoint or self.bind or "")
             self._bound.close(0)
             self._bound = None
 
