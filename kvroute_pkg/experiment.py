@@ -67,7 +67,8 @@ class PolicyRun:
         return {"policy": self.policy, **self.report.summary()}
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
+def stop_process(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, then SIGKILL if the process is still there after 10 s."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -84,11 +85,12 @@ def _process(argv: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
         try:
             yield proc
         finally:
-            _stop(proc)
+            stop_process(proc)
 
 
-def _wait_for(predicate: Callable[[], bool], proc: subprocess.Popen[bytes], what: str, log: Path,
+def wait_until_ready(predicate: Callable[[], bool], proc: subprocess.Popen[bytes], what: str, log: Path,
               timeout_s: float = 60.0) -> None:
+    """Poll ``predicate`` until true; fail with the log's tail if ``proc`` exits or time runs out."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -99,7 +101,8 @@ def _wait_for(predicate: Callable[[], bool], proc: subprocess.Popen[bytes], what
     raise RuntimeError(f"{what} not ready after {timeout_s:.0f}s; log:\n{log.read_text()[-3000:]}")
 
 
-def _ready(url: str) -> bool:
+def answers_ok(url: str) -> bool:
+    """True when ``GET url`` answers 200 (a readiness probe for a process just started)."""
     try:
         return httpx.get(url, timeout=1.0).status_code == 200
     except httpx.HTTPError:
@@ -117,7 +120,7 @@ def run_policy(policy: str, trace: Trace, fleet: FleetSpec, *, workdir: Path | N
     router_log = workdir / f"router-{policy}.log"
     fleet_yaml.unlink(missing_ok=True)  # its appearance is the fleet's "ready" signal
     with _process(fleet.argv(fleet_yaml), fleet_log) as sim:
-        _wait_for(lambda: fleet_yaml.exists() and fleet_yaml.stat().st_size > 0, sim, "kvroute sim",
+        wait_until_ready(lambda: fleet_yaml.exists() and fleet_yaml.stat().st_size > 0, sim, "kvroute sim",
                   fleet_log)
         time.sleep(0.2)  # the file is written in one call; give the workers' sockets a moment
         config = yaml.safe_load(fleet_yaml.read_text())
@@ -133,7 +136,7 @@ def run_policy(policy: str, trace: Trace, fleet: FleetSpec, *, workdir: Path | N
                  "--log-level", "warning"]
         base = f"http://127.0.0.1:{port}"
         with _process(serve, router_log) as router:
-            _wait_for(lambda: _ready(base + "/ready"), router, "kvroute serve", router_log)
+            wait_until_ready(lambda: answers_ok(base + "/ready"), router, "kvroute serve", router_log)
             model = config["models"][0]["name"] if config.get("models") else None
             report = asyncio.run(replay(trace, base, model=model, time_scale=fleet.time_scale,
                                         on_result=on_result))

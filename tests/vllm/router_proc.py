@@ -7,16 +7,14 @@ bind-mode one (``b``), and tokenizes locally from the tiny model's folder.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import yaml
+from kvroute.experiment import answers_ok, stop_process, wait_until_ready
 
 from .servers import BLOCK_SIZE, MODEL_NAME, VllmServer, free_port
 
@@ -61,34 +59,14 @@ class RouterProcess:
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         log.close()
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"kvroute serve exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if httpx.get(f"{self.url}/ready", timeout=2.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"kvroute serve not ready after {START_TIMEOUT_S:.0f} s:\n{self.log_tail()}")
+        wait_until_ready(lambda: answers_ok(f"{self.url}/ready"), self.proc, "kvroute serve", self.log_path,
+                         START_TIMEOUT_S)
 
     def stop(self) -> None:
         proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
+        if proc is not None:
+            stop_process(proc)
 
-    def log_tail(self, chars: int = 4000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError:
-            return "(no log)"
 
 
 def make_router(servers: list[VllmServer], model_dir: Path, workdir: Path, policy: str = "kvaware",
