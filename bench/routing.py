@@ -1,21 +1,24 @@
 """Routing quality of every policy on the simulated fleet (``kvroute sim``), the same arrivals for all.
 
     .venv/bin/python bench/routing.py [--workers 8] [--preset qwen-32b-h100x2] [--repeats 1]
+    .venv/bin/python bench/routing.py --kv-protocol p2p --gpu-blocks 2000 --cpu-blocks 20000  # tiers + peers
 
 For each trace (agentic multi-turn, plain chat) and each policy of ``available_policies()``, a fresh
 fleet and router are started (``kvroute.experiment.run_policy``: cold caches, empty index) and the same
 seeded trace is replayed through the router. Times are the simulated hardware's (real seconds divided
 by the time scale). Reported per policy: TTFT p50/p99, goodput (share of requests whose TTFT is within
-the SLO), cached tokens as a share of the oracle's, predicted hits per tier, estimated bytes moved,
-stale decisions (router ``/metrics``), recomputed tokens. With ``--repeats N`` every figure is the
-median over N runs. Then the multi-turn reuse case (``--reuse``): full prefill of a ~24k-token history
-vs pulling the previous turn's decoder KV (NIXL bidirectional reuse) on two simulated workers.
+the SLO), cached tokens as a share of the oracle's, hits per tier and bytes moved both as the router
+predicted them (its ``/metrics``) and as the engines report them (each worker's ``/metrics``: prefix-cache
+hits, CPU-tier promotions, KV received from peers), stale decisions, recomputed tokens. With
+``--repeats N`` every figure is the median over N runs. ``--kv-protocol p2p`` with a small GPU cache
+and a CPU tier is the fleet where blocks live in several tiers and peers can serve them
+(``remote_kv_source``). The multi-turn reuse case of the seed articles is ``bench/multiturn_reuse.py``.
 
 The oracle: for every request, the most prompt tokens any routing could have served from cache given
-what earlier requests computed, assuming caches never evict (no eviction happens at these sizes) and
-whole blocks only, minus the last prompt token the engine always computes. A session's later turn
-extends its previous turn, so it can reuse that turn's prompt and answer (whose tokens re-tokenise
-identically in the simulator); a session's first turn can reuse the longest prefix it shares with any
+what earlier requests computed, assuming caches never evict (GPU plus CPU tier hold the whole trace at
+the sizes used here) and whole blocks only, minus the last prompt token the engine always computes.
+A session's later turn extends its previous turn, so it can reuse that turn's prompt and answer (whose
+tokens re-tokenise identically in the simulator); a session's first turn can reuse the longest prefix it shares with any
 request whose prefill had finished (first token received) before it was sent (the shared system
 prompt): a prefix still being computed elsewhere is no hit for a request admitted meanwhile. It is
 computed from the replayed token counts and the trace's text.
@@ -24,13 +27,12 @@ computed from the replayed token counts and the trace's text.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +41,6 @@ from kvroute.policies import available_policies
 from kvroute.report import chart
 from kvroute.sim.presets import get_preset
 from kvroute.sim.replay import RequestResult, percentile
-from kvroute.sim.timing import prefill_seconds, transfer_seconds
 from kvroute.sim.tokenizer import encode_chat
 from kvroute.sim.traces import Trace, agentic_trace, chat_trace
 from prometheus_client.parser import text_string_to_metric_families
@@ -101,13 +102,29 @@ def _total(samples: dict[str, list[tuple[dict[str, str], float]]], name: str) ->
     return sum(v for _, v in samples.get(name, []))
 
 
-def figures(run: PolicyRun, trace: Trace, time_scale: float, slo_ms: float) -> dict[str, Any]:
+def _engine_totals(pages: dict[str, str], block: int) -> dict[str, float]:
+    """What the engines report they served per tier and moved, summed over the fleet's /metrics pages."""
+    gpu = cpu = remote = moved = 0.0
+    for text in pages.values():
+        m = _samples(text)
+        gpu += _total(m, "vllm:prefix_cache_hits_total")
+        cpu += _total(m, "kvroute_sim:cpu_promoted_blocks_total") * block
+        received = [(labels, v) for labels, v in m.get("kvroute_sim:kv_transfer_blocks_total", [])
+                    if labels.get("direction") == "received"]
+        remote += sum(v for _, v in received) * block
+        moved += sum(v for labels, v in m.get("kvroute_sim:kv_transfer_bytes_total", [])
+                     if labels.get("direction") == "received")
+    return {"gpu_hits_engine": gpu, "cpu_hits_engine": cpu, "remote_hits_engine": remote,
+            "gb_moved_engine": moved / 1e9}
+
+
+def figures(run: PolicyRun, trace: Trace, time_scale: float, slo_ms: float, block: int = BLOCK) -> dict[str, Any]:
     results = run.report.results
     ok = [r for r in results if r.ok]
     ttft_ms = [r.ttft_s * 1000 / time_scale for r in ok if r.ttft_s is not None]
     prompt = sum(r.prompt_tokens for r in ok)
     cached = sum(r.cached_tokens for r in ok)
-    oracle = oracle_cached(trace, results)
+    oracle = oracle_cached(trace, results, block)
     m = _samples(run.router_metrics)
     tiers = {labels.get("tier", "?"): v for labels, v in m.get("kvroute_predicted_hit_tokens_total", [])}
     return {
@@ -120,6 +137,7 @@ def figures(run: PolicyRun, trace: Trace, time_scale: float, slo_ms: float) -> d
         "gpu_hits": tiers.get("GPU", 0.0), "cpu_hits": tiers.get("CPU", 0.0),
         "remote_hits": tiers.get("REMOTE", 0.0),
         "gb_moved": _total(m, "kvroute_estimated_kv_bytes_moved_total") / 1e9,
+        **_engine_totals(run.worker_metrics, block),
         "stale": _total(m, "kvroute_stale_decisions_total"),
         "checked": _total(m, "kvroute_checked_decisions_total"),
         "recomputed": prompt - cached,
@@ -134,22 +152,35 @@ def median_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-COLUMNS = (("policy", "{}"), ("ttft_p50_ms", "{:.0f}"), ("ttft_p99_ms", "{:.0f}"), ("goodput", "{:.1%}"),
-           ("cached_token_ratio", "{:.1%}"), ("oracle_share", "{:.1%}"), ("gpu_hits", "{:.0f}"),
-           ("cpu_hits", "{:.0f}"), ("remote_hits", "{:.0f}"), ("gb_moved", "{:.2f}"), ("stale", "{:.0f}"),
-           ("checked", "{:.0f}"), ("recomputed", "{:.0f}"), ("errors", "{:.0f}"))
-TITLES = ("policy", "TTFT p50 ms", "TTFT p99 ms", "goodput", "cached", "cached ÷ oracle",
-          "GPU hits (pred.)", "CPU hits (pred.)", "REMOTE hits (pred.)", "GB moved (est.)", "stale",
-          "checked", "recomputed tokens", "errors")
+def _pair(a: float, b: float, fmt: str = "{:.0f}") -> str:
+    return f"{fmt.format(a)} / {fmt.format(b)}"
+
+
+#: (title, cell) of each table column; per-tier hits and bytes read "router's prediction / engines' report".
+COLUMNS: tuple[tuple[str, Callable[[dict[str, Any]], str]], ...] = (
+    ("policy", lambda r: r["policy"]),
+    ("TTFT p50 ms", lambda r: f"{r['ttft_p50_ms']:.0f}"),
+    ("TTFT p99 ms", lambda r: f"{r['ttft_p99_ms']:.0f}"),
+    ("goodput", lambda r: f"{r['goodput']:.1%}"),
+    ("cached", lambda r: f"{r['cached_token_ratio']:.1%}"),
+    ("cached ÷ oracle", lambda r: f"{r['oracle_share']:.1%}"),
+    ("GPU hits pred. / engine", lambda r: _pair(r["gpu_hits"], r["gpu_hits_engine"])),
+    ("CPU hits pred. / engine", lambda r: _pair(r["cpu_hits"], r["cpu_hits_engine"])),
+    ("REMOTE hits pred. / engine", lambda r: _pair(r["remote_hits"], r["remote_hits_engine"])),
+    ("GB moved est. / engine", lambda r: _pair(r["gb_moved"], r["gb_moved_engine"], "{:.2f}")),
+    ("stale / checked", lambda r: _pair(r["stale"], r["checked"])),
+    ("recomputed tokens", lambda r: f"{r['recomputed']:.0f}"),
+    ("errors", lambda r: f"{r['errors']:.0f}"),
+)
 
 
 def markdown(rows: list[dict[str, Any]], baselines: dict[str, str]) -> str:
     """A markdown table, with each policy's TTFT p50 and p99 as a ratio of the named baseline's."""
-    lines = ["| " + " | ".join(TITLES) + " | p50 / p99 vs " + " / ".join(baselines.values()) + " |",
-             "|" + "---|" * (len(TITLES) + 1)]
+    lines = ["| " + " | ".join(t for t, _ in COLUMNS) + " | p50 / p99 vs " + " / ".join(baselines.values()) + " |",
+             "|" + "---|" * (len(COLUMNS) + 1)]
     refs = {name: next((r for r in rows if r["policy"] == name), None) for name in baselines.values()}
     for r in rows:
-        cells = [fmt.format(r[key]) for key, fmt in COLUMNS]
+        cells = [cell(r) for _, cell in COLUMNS]
         ratios = []
         for ref in refs.values():
             if ref is None:
@@ -158,52 +189,6 @@ def markdown(rows: list[dict[str, Any]], baselines: dict[str, str]) -> str:
             ratios.append(f"{p50:.2f}x / {p99:.2f}x")
         lines.append("| " + " | ".join(cells) + " | " + "; ".join(ratios) + " |")
     return "\n".join(lines)
-
-
-# -- the multi-turn reuse case ----------------------------------------------------------------------
-
-async def _reuse_case(preset: str, history: int, new_tokens: int, time_scale: float) -> dict[str, float]:
-    """Turn 2 of a conversation with a ``history``-token past: prefill it all vs pull the decoder's KV."""
-    import httpx
-    from kvroute.sim.fleet import SimFleet
-
-    words = [f"w{i % 997}" for i in range(history)]
-    fresh = [f"n{i % 991}" for i in range(new_tokens)]
-    async with SimFleet(2, preset=preset, roles=["prefill", "decode"], time_scale=time_scale) as fleet:
-        p_url, d_url = (w.url for w in fleet.workers)
-        async with httpx.AsyncClient(timeout=120) as client:
-            async def call(url: str, prompt: str, kv: dict[str, Any] | None) -> tuple[float, dict[str, Any]]:
-                body: dict[str, Any] = {"model": fleet.model_config()["name"], "prompt": prompt,
-                                        "max_tokens": 1, "stream": False}
-                if kv is not None:
-                    body["kv_transfer_params"] = kv
-                t0 = time.perf_counter()
-                resp = await client.post(url + "/v1/completions", json=body)
-                resp.raise_for_status()
-                return (time.perf_counter() - t0) / time_scale, resp.json()
-
-            turn1 = " ".join(words)
-            nixl_out = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-                        "remote_block_ids": None, "remote_host": None, "remote_port": None}
-            # Turn 1: prefill on P, decode on D (D keeps prompt + answer for the next turn).
-            _, first = await call(p_url, turn1, nixl_out)
-            _, decoded = await call(d_url, turn1, first["kv_transfer_params"])
-            keep = decoded.get("kv_transfer_params")
-            turn2 = turn1 + " " + " ".join(fresh)
-            # Full prefill of turn 2 on a worker that has nothing cached (the decoder's peer, reset).
-            await client.post(p_url + "/reset_prefix_cache")
-            full_s, _ = await call(p_url, turn2, None)
-            await client.post(p_url + "/reset_prefix_cache")
-            reuse_s, _ = await call(p_url, turn2, {**(keep or {}), "do_remote_decode": True,
-                                                   "do_remote_prefill": False})
-    p = get_preset(preset)
-    blocks = history // p.block_size
-    model_full = prefill_seconds(p, history + new_tokens)
-    model_reuse = transfer_seconds(p, blocks) + prefill_seconds(p, history + new_tokens - blocks * p.block_size,
-                                                                 blocks * p.block_size)
-    return {"history_tokens": history, "new_tokens": new_tokens, "full_prefill_ms": full_s * 1000,
-            "reuse_ms": reuse_s * 1000, "kept_params": float(keep is not None),
-            "timing_model_full_ms": model_full * 1000, "timing_model_reuse_ms": model_reuse * 1000}
 
 
 # -- main ---------------------------------------------------------------------------------------------
@@ -220,35 +205,45 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sessions", type=int, default=16, help="agentic sessions")
     ap.add_argument("--chat-sessions", type=int, default=40)
     ap.add_argument("--slo-ms", type=float, default=1000.0, help="TTFT SLO for goodput (simulated ms)")
-    ap.add_argument("--reuse", action=argparse.BooleanOptionalAction, default=True,
-                    help="also run the multi-turn reuse case (~24k-token history)")
-    ap.add_argument("--reuse-time-scale", type=float, default=1.0,
-                    help="time scale of the reuse case (1.0: the simulator's own CPU time, which counts as "
-                         "model time, is not magnified)")
+    ap.add_argument("--arrival-rate", type=float, default=2.0, help="agentic sessions started per second")
+    ap.add_argument("--steps", default="4,8", help="agentic steps per session: min,max")
+    ap.add_argument("--kv-protocol", choices=("none", "p2p"), default="none",
+                    help="the pool's KV-transfer protocol: p2p lets a policy name a remote_kv_source peer")
+    ap.add_argument("--gpu-blocks", type=int, help="GPU KV blocks per worker (default: the preset's)")
+    ap.add_argument("--cpu-blocks", type=int, help="CPU-tier blocks per worker (default: none)")
     ap.add_argument("--out", default="out/bench-routing")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     logs = Path(tempfile.mkdtemp(prefix="kvroute-bench-"))
+    lo, hi = (int(x) for x in args.steps.split(","))
+    steps = (lo, hi)
     traces = {
-        "agentic": agentic_trace(args.seed, sessions=args.sessions, steps=(4, 8), arrival_rate=2.0),
+        "agentic": agentic_trace(args.seed, sessions=args.sessions, steps=steps, arrival_rate=args.arrival_rate),
         "chat": chat_trace(args.seed, sessions=args.chat_sessions, turns=(1, 2), arrival_rate=4.0),
     }
-    fleet = FleetSpec(workers=args.workers, preset=args.preset, time_scale=args.time_scale)
+    fleet = FleetSpec(workers=args.workers, preset=args.preset, time_scale=args.time_scale,
+                      gpu_blocks=args.gpu_blocks, cpu_blocks=args.cpu_blocks)
+    router_config = {"pool": {"kv_protocol": args.kv_protocol}}
+    block = get_preset(args.preset).block_size
+    setting = (f"{args.workers} x {args.preset}, pool {args.kv_protocol}, "
+               f"GPU blocks {args.gpu_blocks or get_preset(args.preset).gpu_blocks}, "
+               f"CPU blocks {args.cpu_blocks or 0}")
     policies = [p for p in args.policies.split(",") if p]
-    report: dict[str, Any] = {"command": " ".join(sys.argv), "tables": {}}
+    report: dict[str, Any] = {"command": " ".join(sys.argv), "setting": setting, "tables": {}}
     began = time.monotonic()
     for kind in args.traces.split(","):
         trace = traces[kind]
-        print(f"\n{kind}: {len(trace.sessions)} sessions, {trace.n_requests} requests, {args.workers} workers "
-              f"({args.preset}), time scale {args.time_scale}, {args.repeats} run(s) per policy", flush=True)
+        print(f"\n{kind}: {len(trace.sessions)} sessions, {trace.n_requests} requests, {setting}, "
+              f"time scale {args.time_scale}, {args.repeats} run(s) per policy", flush=True)
         per_policy: dict[str, list[dict[str, Any]]] = {p: [] for p in policies}
         for rep in range(args.repeats):
             for policy in policies:  # interleaved, so machine noise spreads over every policy alike
                 progress = Progress(f"{policy}#{rep + 1}", trace.n_requests)
-                run = run_policy(policy, trace, fleet, workdir=logs, on_result=progress)
+                run = run_policy(policy, trace, fleet, workdir=logs, router_config=router_config,
+                                 on_result=progress)
                 progress.finish()
-                per_policy[policy].append(figures(run, trace, args.time_scale, args.slo_ms))
+                per_policy[policy].append(figures(run, trace, args.time_scale, args.slo_ms, block))
         rows = [median_row(per_policy[p]) for p in policies]
         baselines = {"least_load": "least_load"} if kind == "chat" else {"prefix": "prefix"}
         text = markdown(rows, baselines if any(r["policy"] in baselines for r in rows) else {})
@@ -256,18 +251,10 @@ def main(argv: list[str] | None = None) -> int:
         report["tables"][kind] = rows
         report.setdefault("runs", {})[kind] = per_policy
         png = chart(rows, out / f"routing-{kind}.png",
-                    f"{kind} trace: {args.workers} x {args.preset}, medians of {args.repeats} run(s)")
+                    f"{kind} trace: {setting}, medians of {args.repeats} run(s)")
         if png:
             print(f"chart: {png}")
         print(f"elapsed {time.monotonic() - began:.0f} s", flush=True)
-    if args.reuse:
-        case = asyncio.run(_reuse_case(args.preset, 24_000, 200, args.reuse_time_scale))
-        case["ratio"] = case["reuse_ms"] / case["full_prefill_ms"]
-        report["reuse"] = case
-        print(f"\n## multi-turn reuse, {args.preset}, {case['history_tokens']}-token history + "
-              f"{case['new_tokens']} new tokens\nfull prefill {case['full_prefill_ms']:.0f} ms, reuse of the "
-              f"decoder's KV {case['reuse_ms']:.0f} ms: ratio {case['ratio']:.2f} (published: 778 vs 460 ms, 0.59); "
-              f"the timing model alone: {case['timing_model_full_ms']:.0f} vs {case['timing_model_reuse_ms']:.0f} ms")
     (out / "routing.json").write_text(json.dumps(report, indent=1, default=str))
     print(f"\nresults: {out / 'routing.json'}; logs: {logs}; total {time.monotonic() - began:.0f} s")
     return 0

@@ -62,6 +62,8 @@ class PolicyRun:
     policy: str
     report: ReplayReport
     router_metrics: str = ""
+    #: Each worker's ``/metrics`` text after the replay (what the engines say they hit and moved).
+    worker_metrics: dict[str, str] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
         return {"policy": self.policy, **self.report.summary()}
@@ -140,11 +142,18 @@ def run_policy(policy: str, trace: Trace, fleet: FleetSpec, *, workdir: Path | N
             model = config["models"][0]["name"] if config.get("models") else None
             report = asyncio.run(replay(trace, base, model=model, time_scale=fleet.time_scale,
                                         on_result=on_result))
-            try:
-                metrics = httpx.get(base + "/metrics", timeout=5.0).text
-            except httpx.HTTPError:
-                metrics = ""
-    return PolicyRun(policy, report, metrics)
+            metrics = _scrape(base + "/metrics")
+        workers = {w.get("id") or w["url"]: _scrape(w["url"].rstrip("/") + "/metrics")
+                   for w in config.get("workers", [])}
+    return PolicyRun(policy, report, metrics, workers)
+
+
+def _scrape(url: str) -> str:
+    """A ``/metrics`` page, or "" when it cannot be read (a run's figures then show zeros, not a crash)."""
+    try:
+        return httpx.get(url, timeout=5.0).text
+    except httpx.HTTPError:
+        return ""
 
 
 class Progress:

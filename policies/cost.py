@@ -124,6 +124,8 @@ class _Ctx:
     locals: dict[str, _Local]
     #: The most expected cached tokens any worker holds locally (what leaving the holder gives up).
     best_local: float = 0.0
+    #: Whether a plan may name a ``remote_kv_source`` peer (P2P pool, tier policy allows it).
+    allow_sources: bool = False
 
 
 @register_policy
@@ -244,7 +246,8 @@ class KvAwarePolicy(Policy):
                 queue_s=self._queue_s(w), peer_tokens=min(cap, served), peer_prob=p_remote)
         return _Ctx(request=request, model=model, prompt=prompt, cap=cap,
                     scale=self.calibrator.prefill_scale(request.model), locals=locals_,
-                    best_local=max((lw.expected for lw in locals_.values()), default=0.0))
+                    best_local=max((lw.expected for lw in locals_.values()), default=0.0),
+                    allow_sources=p2p and self.tiers.allows_source(cls))
 
     def _candidates(self, ctx: _Ctx, healthy: list[WorkerView], limit: int | None) -> list[_Option]:
         """Every plan worth weighing. With a ``limit``, prefill workers are visited by a lower bound of
@@ -256,7 +259,7 @@ class KvAwarePolicy(Policy):
         split_pool = protocol != "none" and any(w.role != "both" for w in healthy)
         decoders = [w for w in healthy if w.role == "decode"]
         peers: list[_Local] = []
-        if protocol == "p2p" and prm.max_sources > 0:
+        if ctx.allow_sources and prm.max_sources > 0:
             peers = [lw for lw in ctx.locals.values() if lw.worker.p2p_host and lw.worker.p2p_port
                      and lw.peer_tokens > 0]
             peers.sort(key=lambda lw: (-lw.peer_tokens, lw.worker.load, lw.worker.id))
@@ -402,7 +405,7 @@ class KvAwarePolicy(Policy):
         load_tiers: list[dict[str, str]] | None = None
         max_offload: int | None = None
         if self.params.kv_protocol == "p2p":
-            load_tiers, max_offload = self.tiers.apply(ctx.request)
+            load_tiers, max_offload = self.tiers.apply(ctx.request, with_source=best.kv_source is not None)
         return RoutePlan(
             prefill=best.prefill, decode=best.decode, kv_source=best.kv_source,
             kv_load_tiers=load_tiers, max_offload_tokens=max_offload,

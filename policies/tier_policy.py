@@ -10,6 +10,14 @@ vLLM's offloading connector (>= 0.27) takes two per-request keys in ``kv_transfe
   offloading a private conversation tail mostly fills the tier with blocks nobody else will read.
 
 Both are chosen here from the request's latency class and what is known about its shared prefix.
+
+A class's tiers bound what the *engine* may look up on its own (a speculative lookup in a remote tier
+can wait on HIT_PENDING even when it misses). A ``remote_kv_source`` the router names is different: the
+cost model has weighed that fetch (lookup, transfer, the chance the blocks are gone) against recomputing,
+and vLLM only reads a peer when the REMOTE tier is allowed. So by default (``planned_sources``) a plan
+with a source adds ``{"medium": "CPU", "locality": "REMOTE"}`` for that request alone; with
+``planned_sources: false`` classes without a REMOTE tier never get a source (the cost model does not
+consider peers for them).
 """
 
 from __future__ import annotations
@@ -63,12 +71,15 @@ class TierPolicy:
     ``offload_rule``: ``shared_prefix`` offloads only the shared prefix (rounded down to whole blocks)
     when it is known, else ``unknown_offload_tokens`` (None = omit the key, the engine offloads all);
     ``all`` never limits; ``none`` sends 0 (never offload).
+    ``planned_sources``: a plan naming a ``remote_kv_source`` may read the REMOTE CPU tier whatever the
+    class (see the module docstring).
     """
 
     classes: dict[str, list[Tier]] = field(default_factory=default_classes)
     default_class: str = "interactive"
     offload_rule: OffloadRule = "shared_prefix"
     unknown_offload_tokens: int | None = None
+    planned_sources: bool = True
 
     def __post_init__(self) -> None:
         self.classes = {name: validate_tiers(tiers) for name, tiers in self.classes.items()}
@@ -83,7 +94,8 @@ class TierPolicy:
     def from_options(cls, options: dict[str, Any] | None) -> TierPolicy:
         """Build from the ``tier_policy`` policy option (a dict with the field names above)."""
         options = dict(options or {})
-        unknown = set(options) - {"classes", "default_class", "offload_rule", "unknown_offload_tokens"}
+        unknown = set(options) - {"classes", "default_class", "offload_rule", "unknown_offload_tokens",
+                                  "planned_sources"}
         if unknown:
             raise ValueError(f"unknown tier_policy options: {sorted(unknown)}")
         if "classes" in options:
@@ -100,6 +112,10 @@ class TierPolicy:
             return True
         return {"medium": medium, "locality": locality} in self.load_tiers(latency_class)
 
+    def allows_source(self, latency_class: str) -> bool:
+        """Whether a plan for this class may name a ``remote_kv_source`` peer."""
+        return self.planned_sources or self.allows(latency_class, "CPU", "REMOTE")
+
     def max_offload_tokens(self, request: RouteRequest) -> int | None:
         if self.offload_rule == "all":
             return None
@@ -114,5 +130,9 @@ class TierPolicy:
             shared = min(shared, request.prompt_tokens)
         return shared // block * block
 
-    def apply(self, request: RouteRequest) -> tuple[list[Tier], int | None]:
-        return self.load_tiers(request.latency_class), self.max_offload_tokens(request)
+    def apply(self, request: RouteRequest, with_source: bool = False) -> tuple[list[Tier], int | None]:
+        """``(kv_load_tiers, max_offload_tokens)``; ``with_source``: the plan reads a peer's CPU tier."""
+        tiers = self.load_tiers(request.latency_class)
+        if with_source and CPU_REMOTE not in tiers:
+            tiers.append(dict(CPU_REMOTE))
+        return tiers, self.max_offload_tokens(request)

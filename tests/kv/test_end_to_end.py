@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -129,6 +130,48 @@ async def test_p2p_source_serves_the_cached_prefix(client: httpx.AsyncClient) ->
         assert r.status_code == 200
         assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 144
         assert source.stats()["kv_bytes_sent"] > 0
+
+
+class BusyHolder(Policy):
+    """The real ``kvaware`` policy, shown one worker as 20 requests deep (a hot holder)."""
+
+    name = "kvaware"
+    needs_index = True
+
+    def __init__(self, inner: Policy, busy: str) -> None:
+        super().__init__()
+        self.inner, self.busy = inner, busy
+
+    def choose(self, request: RouteRequest, workers: Sequence[WorkerView]) -> RoutePlan:
+        views = [dataclasses.replace(w, inflight=20) if w.id == self.busy else w for w in workers]
+        return self.inner.choose(request, views)
+
+
+async def test_kvaware_fetches_from_a_busy_holder_and_the_engine_serves_it(client: httpx.AsyncClient) -> None:
+    """End to end: the cost model names the holder as ``remote_kv_source`` for an interactive request, the
+    request it writes allows the REMOTE tier, and the engine really pulls the blocks from the peer.
+    (The router is told prefill is slow, so that fetching clearly pays at this test's time scale.)"""
+    slow = {"sim-tiny": {"prefill_tokens_per_s": 2000.0}}
+    async with routed_fleet(2, pool={"kv_protocol": "p2p"}, policy="kvaware", debug_headers=True,
+                            policy_options={"models": slow},
+                            fleet_options={"preset_overrides": {"gpu_blocks": 512}}) as (fleet, url, app):
+        holder = fleet.workers[0]
+        prompt = words(1500, "hot")
+        await client.post(f"{holder.url}/v1/completions", json=completion(fleet.model, prompt))
+
+        async def indexed() -> bool:
+            return await indexed_blocks(client, url, holder.worker_id) >= 80
+        await eventually(indexed, what="the holder's blocks in the index")
+        pipeline = app.state.kvroute.pipeline
+        pipeline.policy = BusyHolder(pipeline.policy, holder.worker_id)
+        r = await client.post(f"{url}/v1/completions", json=completion(fleet.model, prompt),
+                              headers={"X-KVRoute-Debug": "1"})
+        assert r.status_code == 200
+        other = fleet.workers[1]
+        plan = orjson.loads(r.headers["x-kvroute-plan"])
+        assert (plan["prefill"], plan["kv_source"]) == (other.worker_id, holder.worker_id)
+        assert {"medium": "CPU", "locality": "REMOTE"} in plan["kv_load_tiers"]
+        assert other.stats()["kv_bytes_received"] > 0 and holder.stats()["kv_bytes_sent"] > 0
 
 
 async def test_p2p_disaggregated_legs(client: httpx.AsyncClient) -> None:

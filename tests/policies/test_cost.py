@@ -58,7 +58,20 @@ def test_p2p_source_when_fetching_beats_recomputing() -> None:
     assert (plan.prefill, plan.kv_source) == ("w0", "w1")
     assert plan.predicted_by_tier == {"REMOTE": 30400}
     assert plan.breakdown["lookup_s"] > 0 and plan.breakdown["transfer_s"] > 0
-    assert plan.kv_load_tiers == [] and plan.max_offload_tokens is None
+    # An interactive request reads no secondary tier on its own, but vLLM reads a named peer only when
+    # the REMOTE tier is allowed: the plan allows it for this request.
+    assert plan.kv_load_tiers == [{"medium": "CPU", "locality": "REMOTE"}] and plan.max_offload_tokens is None
+
+
+def test_no_p2p_source_when_the_tier_policy_forbids_planned_sources() -> None:
+    ws = workers(2)
+    ws[1] = dataclasses.replace(ws[1], inflight=20)
+    policy = kvaware(kv_protocol="p2p", tier_policy={"planned_sources": False})
+    plan = policy.choose(request(32000, gpu("w1", 1900)), ws)
+    assert plan.kv_source is None and plan.kv_load_tiers == []
+    batch = policy.choose(dataclasses.replace(request(32000, gpu("w1", 1900)), latency_class="batch"), ws)
+    assert batch.kv_source == "w1"
+    assert {"medium": "CPU", "locality": "REMOTE"} in (batch.kv_load_tiers or [])
 
 
 def test_no_p2p_source_over_a_slow_link() -> None:
