@@ -31,8 +31,10 @@ def promote_seconds(preset: Preset, blocks: int) -> float:
 
 
 def transfer_seconds(preset: Preset, blocks: int, link_bytes_per_s: float | None = None) -> float:
-    """Worker-to-worker copy of ``blocks`` blocks over the link (setup + bytes / bandwidth)."""
+    """Worker-to-worker copy of ``blocks`` blocks over the link: setup + a per-block cost (descriptor
+    posting; 0 on most presets) + bytes / bandwidth."""
     if blocks <= 0:
         return 0.0
     bandwidth = link_bytes_per_s or preset.link_bytes_per_s
-    return preset.transfer_setup_s + blocks * preset.bytes_per_block / bandwidth
+    return (preset.transfer_setup_s + blocks * preset.transfer_per_block_s
+            + blocks * preset.bytes_per_block / bandwidth)
