@@ -1,7 +1,7 @@
 """Routing quality of every policy on the simulated fleet (``kvroute sim``), the same arrivals for all.
 
     .venv/bin/python bench/routing.py [--workers 8] [--preset qwen-32b-h100x2] [--repeats 1]
-    .venv/bin/python bench/routing.py --kv-protocol p2p --gpu-blocks 2000 --cpu-blocks 20000  # tiers + peers
+    .venv/bin/python bench/routing.py --kv-protocol none --gpu-blocks 0 --cpu-blocks 0  # GPU only, no P2P
 
 For each trace (agentic multi-turn, plain chat) and each policy of ``available_policies()``, a fresh
 fleet and router are started (``kvroute.experiment.run_policy``: cold caches, empty index) and the same
@@ -10,9 +10,10 @@ by the time scale). Reported per policy: TTFT p50/p99, goodput (share of request
 the SLO), cached tokens as a share of the oracle's, hits per tier and bytes moved both as the router
 predicted them (its ``/metrics``) and as the engines report them (each worker's ``/metrics``: prefix-cache
 hits, CPU-tier promotions, KV received from peers), stale decisions, recomputed tokens. With
-``--repeats N`` every figure is the median over N runs. ``--kv-protocol p2p`` with a small GPU cache
-and a CPU tier is the fleet where blocks live in several tiers and peers can serve them
-(``remote_kv_source``). The multi-turn reuse case of the seed articles is ``bench/multiturn_reuse.py``.
+``--repeats N`` every figure is the median over N runs. The default fleet is the deployment kvroute is
+built for (vLLM >= 0.27 with the offloading connector and P2P): a GPU cache small enough that sessions
+spill to a CPU tier, and peers that can serve each other's blocks (``remote_kv_source``). The
+multi-turn reuse case of the seed articles is ``bench/multiturn_reuse.py``.
 
 The oracle: for every request, the most prompt tokens any routing could have served from cache given
 what earlier requests computed, assuming caches never evict (GPU plus CPU tier hold the whole trace at
@@ -202,15 +203,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policies", default=",".join(available_policies()))
     ap.add_argument("--repeats", type=int, default=1, help="runs per (trace, policy); medians are reported")
     ap.add_argument("--seed", type=int, default=7)
-    ap.add_argument("--sessions", type=int, default=16, help="agentic sessions")
+    ap.add_argument("--sessions", type=int, default=32, help="agentic sessions")
     ap.add_argument("--chat-sessions", type=int, default=40)
     ap.add_argument("--slo-ms", type=float, default=1000.0, help="TTFT SLO for goodput (simulated ms)")
     ap.add_argument("--arrival-rate", type=float, default=2.0, help="agentic sessions started per second")
     ap.add_argument("--steps", default="4,8", help="agentic steps per session: min,max")
-    ap.add_argument("--kv-protocol", choices=("none", "p2p"), default="none",
+    ap.add_argument("--kv-protocol", choices=("none", "p2p"), default="p2p",
                     help="the pool's KV-transfer protocol: p2p lets a policy name a remote_kv_source peer")
-    ap.add_argument("--gpu-blocks", type=int, help="GPU KV blocks per worker (default: the preset's)")
-    ap.add_argument("--cpu-blocks", type=int, help="CPU-tier blocks per worker (default: none)")
+    ap.add_argument("--gpu-blocks", type=int, default=2000,
+                    help="GPU KV blocks per worker (0: the preset's); the default is small enough that "
+                         "sessions spill to the CPU tier")
+    ap.add_argument("--cpu-blocks", type=int, default=30000, help="CPU-tier blocks per worker (0 = none)")
     ap.add_argument("--out", default="out/bench-routing")
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -223,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         "chat": chat_trace(args.seed, sessions=args.chat_sessions, turns=(1, 2), arrival_rate=4.0),
     }
     fleet = FleetSpec(workers=args.workers, preset=args.preset, time_scale=args.time_scale,
-                      gpu_blocks=args.gpu_blocks, cpu_blocks=args.cpu_blocks)
+                      gpu_blocks=args.gpu_blocks or None, cpu_blocks=args.cpu_blocks)
     router_config = {"pool": {"kv_protocol": args.kv_protocol}}
     block = get_preset(args.preset).block_size
     setting = (f"{args.workers} x {args.preset}, pool {args.kv_protocol}, "

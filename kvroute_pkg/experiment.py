@@ -113,8 +113,11 @@ def answers_ok(url: str) -> bool:
 
 def run_policy(policy: str, trace: Trace, fleet: FleetSpec, *, workdir: Path | None = None,
                router_config: dict[str, Any] | None = None, policy_options: dict[str, Any] | None = None,
-               on_result: Callable[[RequestResult], None] | None = None) -> PolicyRun:
-    """Start a fleet and a router with ``policy``, replay ``trace`` through the router, stop both."""
+               on_result: Callable[[RequestResult], None] | None = None,
+               router_log_level: str = "warning") -> PolicyRun:
+    """Start a fleet and a router with ``policy``, replay ``trace`` through the router, stop both.
+
+    ``router_log_level="debug"`` writes every routing decision to the router's log in ``workdir``."""
     workdir = Path(workdir or tempfile.mkdtemp(prefix="kvroute-run-"))
     workdir.mkdir(parents=True, exist_ok=True)
     fleet_yaml = workdir / f"fleet-{policy}.yaml"
@@ -135,7 +138,7 @@ def run_policy(policy: str, trace: Trace, fleet: FleetSpec, *, workdir: Path | N
         router_yaml = workdir / f"router-{policy}.yaml"
         router_yaml.write_text(yaml.safe_dump(config, sort_keys=False))
         serve = [sys.executable, "-m", "kvroute.cli", "serve", "--config", str(router_yaml),
-                 "--log-level", "warning"]
+                 "--log-level", router_log_level]
         base = f"http://127.0.0.1:{port}"
         with _process(serve, router_log) as router:
             wait_until_ready(lambda: answers_ok(base + "/ready"), router, "kvroute serve", router_log)

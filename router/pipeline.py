@@ -157,6 +157,9 @@ class Pipeline:
         except NoWorkerError as exc:
             raise ApiError(503, str(exc), "no_healthy_worker") from None
         self._decision.observe(time.perf_counter() - began)
+        if log.isEnabledFor(logging.DEBUG):  # the decision log: `kvroute serve --log-level debug`
+            log.debug("request %s -> prefill %s decode %s source %s: %s", ctx.request_id, plan.prefill,
+                      plan.decode, plan.kv_source, plan.reason)
         return plan
 
     async def handle(self, ctx: RequestContext) -> Response:
