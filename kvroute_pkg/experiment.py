@@ -129,7 +129,9 @@ def run_policy(policy: str, trace: Trace, fleet: FleetSpec, *, workdir: Path | N
                   fleet_log)
         time.sleep(0.2)  # the file is written in one call; give the workers' sockets a moment
         config = yaml.safe_load(fleet_yaml.read_text())
-        config.update(router_config or {})
+        for key, value in (router_config or {}).items():  # sections (pool, index) are merged
+            both = isinstance(value, dict) and isinstance(config.get(key), dict)
+            config[key] = {**config[key], **value} if both else value
         config["policy"] = policy
         if policy_options:
             config["policy_options"] = policy_options

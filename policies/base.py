@@ -162,6 +162,9 @@ class PoolContext:
     models: dict[str, dict[str, float]] = field(default_factory=dict)
     kv_protocol: Literal["none", "p2p", "nixl"] = "none"
     kv_recompute_threshold: int = 64
+    #: The KV link between workers, when the config states it (None: the policy's own default).
+    link_bytes_per_s: float | None = None
+    transfer_setup_s: float | None = None
 
 
 class NoWorkerError(RuntimeError):

@@ -158,6 +158,10 @@ class KvAwarePolicy(Policy):
             models.setdefault(name, {}).update(figures)
         options.setdefault("kv_protocol", pool.kv_protocol)
         options.setdefault("kv_recompute_threshold", pool.kv_recompute_threshold)
+        if pool.link_bytes_per_s is not None:
+            options.setdefault("default_bandwidth_bytes_per_s", pool.link_bytes_per_s)
+        if pool.transfer_setup_s is not None:
+            options.setdefault("transfer_setup_s", pool.transfer_setup_s)
         return cls(models=models, **options)
 
     # -- public API ----------------------------------------------------------------------------------
@@ -358,14 +362,14 @@ class KvAwarePolicy(Policy):
         lookup = transfer = 0.0
         if source is not None:
             lookup = prm.lookup_rtt_s
-            transfer = exp_remote * bpt / prm.bandwidth(source.worker.id, p.id)
+            transfer = self._transfer_s(ctx, exp_remote, source.worker.id, p.id)
         per_token = (1.0 / mdl.prefill_tokens_per_s
                      + mdl.attention_coeff_s * (cached_exp + uncached / 2) / 1000.0) * ctx.scale
         prefill = uncached * per_token
         handoff = decode_queue = 0.0
         moved = exp_remote * bpt
         if d.id != p.id:
-            handoff = prm.handoff_s + ctx.prompt * bpt / prm.bandwidth(p.id, d.id)
+            handoff = prm.handoff_s + self._transfer_s(ctx, ctx.prompt, p.id, d.id)
             decode_queue = d.load * prm.decode_queue_s_per_request
             moved += ctx.prompt * bpt
         terms = (lp.queue_s, lookup, transfer, lp.promotion_s, prefill, handoff, decode_queue,
@@ -377,6 +381,15 @@ class KvAwarePolicy(Policy):
         rank = score + left_behind * per_token * prm.affinity_weight
         return _Option(score=score, rank=rank, p=lp, d=d, source=source, reuse=reuse,
                        cached=lp.cached + remote, terms=terms, note=note)
+
+    def _transfer_s(self, ctx: _Ctx, tokens: float, src: str, dst: str) -> float:
+        """Moving ``tokens`` of KV from ``src`` to ``dst``: setup + per-block descriptors + bytes / bandwidth."""
+        if tokens <= 0:
+            return 0.0
+        prm, mdl = self.params, ctx.model
+        blocks = tokens / max(1, ctx.request.block_size)
+        return (prm.transfer_setup_s + blocks * mdl.transfer_per_block_s
+                + tokens * mdl.bytes_per_token / prm.bandwidth(src, dst))
 
     @staticmethod
     def _materialise(ctx: _Ctx, o: _Option) -> CandidatePlan:

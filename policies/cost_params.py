@@ -22,6 +22,10 @@ class ModelCost:
     attention_coeff_s: float = 0.0
     #: KV bytes per token: 2 x layers x kv_heads x head_dim x dtype bytes (Qwen3-32B bf16: 262144).
     bytes_per_token: int = 131_072
+    #: Seconds per KV block moved between workers on top of bytes / bandwidth: NIXL posts one descriptor
+    #: per layer x (K, V) x block when blocks are not contiguous (~2.4 us each measured on EFA, so
+    #: ~0.3 ms per block for a 64-layer model). 0 = transfers cost bytes / bandwidth only.
+    transfer_per_block_s: float = 0.0
 
 
 def _default_still_there() -> dict[str, float]:
@@ -40,6 +44,9 @@ class CostParams:
     #: Network bandwidth between workers, bytes/s: per directed link "src->dst", else the default.
     default_bandwidth_bytes_per_s: float = 12.5e9
     link_bandwidth_bytes_per_s: dict[str, float] = field(default_factory=dict)
+    #: Fixed cost of one KV transfer between workers (connection and memory registration, the
+    #: transfer's handshake), added to every fetch from a peer and every prefill -> decode handoff.
+    transfer_setup_s: float = 0.0
     #: Control round trip of a P2P lookup at a peer (HIT/MISS answer) before any byte moves.
     lookup_rtt_s: float = 0.001
     #: Loading offloaded blocks back into GPU memory (PCIe for CPU, NVMe/FS for STORAGE).
@@ -90,7 +97,7 @@ class CostParams:
                      "promotion_storage_bytes_per_s", "queue_parallelism"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        for name in ("attention_coeff_s", "lookup_rtt_s", "handoff_s", "kv_pressure_decay",
+        for name in ("attention_coeff_s", "lookup_rtt_s", "handoff_s", "transfer_setup_s", "kv_pressure_decay",
                      "default_service_time_s", "decode_queue_s_per_request", "unknown_running_weight",
                      "affinity_weight", "pd_split_threshold_tokens", "kv_recompute_threshold"):
             if getattr(self, name) < 0:
@@ -129,9 +136,12 @@ class CostParams:
             prefill_tokens_per_s=float(override.get("prefill_tokens_per_s", self.prefill_tokens_per_s)),
             attention_coeff_s=float(override.get("attention_coeff_s", self.attention_coeff_s)),
             bytes_per_token=int(override.get("bytes_per_token", self.bytes_per_token)),
+            transfer_per_block_s=float(override.get("transfer_per_block_s", 0.0)),
         )
         if cost.prefill_tokens_per_s <= 0 or cost.attention_coeff_s < 0 or cost.bytes_per_token <= 0:
             raise ValueError(f"model {name!r}: prefill_tokens_per_s and bytes_per_token must be > 0")
+        if cost.transfer_per_block_s < 0:
+            raise ValueError(f"model {name!r}: transfer_per_block_s must be >= 0")
         return cost
 
     def bandwidth(self, src: str, dst: str) -> float:

@@ -84,6 +84,8 @@ class ModelConfig(_Strict):
         description="Extra prefill seconds per token per 1k context")
     bytes_per_token: int = Field(default=131_072, gt=0,
         description="2 x layers x kv_heads x head_dim x dtype")
+    transfer_per_block_s: float = Field(default=0.0, ge=0,
+        description="KV-transfer cost per block beyond bytes/bandwidth (NIXL: layers x 2 descriptors)")
 
 
 class IndexConfig(_Strict):
@@ -110,6 +112,10 @@ class PoolConfig(_Strict):
     conversation_ttl_s: float = Field(default=420.0, gt=0,
         description="Kept below the decoder's 480 s retention")
     kv_recompute_threshold: int = Field(default=64, ge=0)
+    link_bytes_per_s: float | None = Field(default=None, gt=0,
+        description="KV bandwidth between workers (default: the kvaware policy's, 12.5 GB/s)")
+    transfer_setup_s: float | None = Field(default=None, ge=0,
+        description="Fixed cost of one KV transfer between workers (default: the policy's, 0)")
 
 
 class RouterConfig(_Strict):

@@ -41,9 +41,12 @@ RECONCILE_INTERVAL_S = 1.0
 
 def pool_context(config: RouterConfig) -> PoolContext:
     models = {m.name: {"prefill_tokens_per_s": m.prefill_tokens_per_s, "attention_coeff_s": m.attention_coeff_s,
-                       "bytes_per_token": float(m.bytes_per_token)} for m in config.models}
-    return PoolContext(models=models, kv_protocol=config.pool.kv_protocol,
-                       kv_recompute_threshold=config.pool.kv_recompute_threshold)
+                       "bytes_per_token": float(m.bytes_per_token),
+                       "transfer_per_block_s": m.transfer_per_block_s} for m in config.models}
+    pool = config.pool
+    return PoolContext(models=models, kv_protocol=pool.kv_protocol,
+                       kv_recompute_threshold=pool.kv_recompute_threshold,
+                       link_bytes_per_s=pool.link_bytes_per_s, transfer_setup_s=pool.transfer_setup_s)
 
 
 def make_backend(config: RouterConfig) -> IndexBackend:

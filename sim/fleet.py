@@ -84,15 +84,24 @@ class SimFleet:
         return {"name": self.model, "block_size": p.block_size, "tokenizer": tokenizer,
                 "prefill_tokens_per_s": p.prefill_tokens_per_s / self.time_scale,
                 "attention_coeff_s": p.attention_coeff_s * self.time_scale,
-                "bytes_per_token": p.bytes_per_token}
+                "bytes_per_token": p.bytes_per_token,
+                "transfer_per_block_s": p.transfer_per_block_s * self.time_scale}
+
+    def pool_config(self) -> dict[str, Any]:
+        """The ``pool:`` link figures of this fleet, time-scaled like :meth:`model_config`'s."""
+        p = self.preset
+        return {"link_bytes_per_s": p.link_bytes_per_s / self.time_scale,
+                "transfer_setup_s": p.transfer_setup_s * self.time_scale}
 
     def serve_config(self, **extra: Any) -> dict[str, Any]:
         """The ``kvroute serve`` configuration routing to this fleet (``extra`` merged at the top level)."""
         config: dict[str, Any] = {"workers": [w.worker_config() for w in self.workers],
-                                  "models": [self.model_config()]}
+                                  "models": [self.model_config()], "pool": self.pool_config()}
         if self.events_connect:
             config["index"] = {"events_bind": self.events_connect}
-        config.update(extra)
+        for key, value in extra.items():  # sections (pool, index) are merged, not replaced
+            both = isinstance(value, dict) and isinstance(config.get(key), dict)
+            config[key] = {**config[key], **value} if both else value
         return config
 
     def stats(self) -> list[dict[str, Any]]:

@@ -8,7 +8,7 @@ import math
 import pytest
 from kvroute.indexer.backend import WorkerMatch
 from kvroute.policies import create_policy
-from kvroute.policies.base import NoWorkerError, RouteOutcome, WorkerView
+from kvroute.policies.base import NoWorkerError, PoolContext, RouteOutcome, WorkerView
 from kvroute.policies.cost import KvAwarePolicy, usable_run
 
 from tests.policies.util import gpu, request, workers
@@ -152,6 +152,35 @@ def test_conversation_reuse_needs_enough_reusable_tokens() -> None:
     assert not few.reuse_conversation
     gone = policy.choose(request(24000, conversation_reusable_tokens=23000, conversation_worker="d9"), ws)
     assert not gone.reuse_conversation
+
+
+def test_descriptor_cost_can_make_recomputing_beat_reuse() -> None:
+    """NIXL posts layers x 2 descriptors per block: on a link where that dominates (0.5 ms per block here),
+    pulling 23k tokens (1437 blocks, ~0.8 s) loses to recomputing 24k tokens (~0.6 s)."""
+    ws = workers(2, role="prefill", prefix="p") + workers(2, role="decode", prefix="d")
+    figures = {"prefill_tokens_per_s": 50_700.0, "attention_coeff_s": 4.37e-7, "bytes_per_token": 262_144}
+    conv = {"conversation_reusable_tokens": 23000, "conversation_worker": "d1"}
+    cheap = kvaware(kv_protocol="nixl", default_bandwidth_bytes_per_s=76.8e9, transfer_setup_s=0.0125,
+                    models={"m": {**figures, "transfer_per_block_s": 0.0}})
+    plan = cheap.choose(request(24000, **conv), ws)
+    assert plan.reuse_conversation
+    costly = kvaware(kv_protocol="nixl", default_bandwidth_bytes_per_s=76.8e9, transfer_setup_s=0.0125,
+                     models={"m": {**figures, "transfer_per_block_s": 0.0005}})
+    plan = costly.choose(request(24000, **conv), ws)
+    assert not plan.reuse_conversation
+    reuse = next(c for c in costly.explain(request(24000, **conv), ws).candidates
+                 if c.breakdown["reuse_conversation"])
+    assert reuse.breakdown["transfer_s"] == pytest.approx(0.0125 + 23000 / 16 * 0.0005 + 23000 * 262_144 / 76.8e9,
+                                                          rel=0.15)  # times the still-there probability
+
+
+def test_pool_link_figures_reach_the_cost_model_unless_set_explicitly() -> None:
+    pool = PoolContext(kv_protocol="p2p", link_bytes_per_s=200e9, transfer_setup_s=0.003)
+    policy = KvAwarePolicy.for_pool(pool)
+    assert (policy.params.default_bandwidth_bytes_per_s, policy.params.transfer_setup_s) == (200e9, 0.003)
+    explicit = KvAwarePolicy.for_pool(pool, default_bandwidth_bytes_per_s=5e9)
+    assert explicit.params.default_bandwidth_bytes_per_s == 5e9
+    assert KvAwarePolicy.for_pool(PoolContext()).params.transfer_setup_s == 0.0
 
 
 def test_nearly_full_kv_cache_makes_gpu_hits_less_likely() -> None:
@@ -331,3 +360,4 @@ def test_one_outlier_moves_the_prefill_scale_a_bounded_step() -> None:
     plan = policy.choose(request(10000), workers(1))
     policy.observe(RouteOutcome("r1", "m", plan, prompt_tokens=10000, cached_tokens=0, ttft_s=1000.0))
     assert policy.calibrator.prefill_scale("m") == pytest.approx(math.exp(0.2))  # alpha x a capped error
+
