@@ -31,6 +31,8 @@ class WorkerView:
     running: int = 0
     waiting: int = 0
     kv_usage: float = 0.0
+    #: GPU KV-cache size in blocks (vllm:cache_config_info num_gpu_blocks), when the worker reports it.
+    kv_blocks: int | None = None
     #: P2P control endpoint (vLLM >= 0.27 TieringOffloadingSpec): host and port peers are told to call.
     p2p_host: str | None = None
     p2p_port: int | None = None

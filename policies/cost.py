@@ -88,10 +88,13 @@ class _Local:
     cached: int
     expected: float
     promotion_s: float
+    #: Work ahead, including ``kv_wait_s``.
     queue_s: float
     #: Tokens this worker can serve to a peer, and the probability they are still there.
     peer_tokens: int
     peer_prob: float
+    #: Expected wait for free KV blocks before the engine can admit the request (part of ``queue_s``).
+    kv_wait_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -146,9 +149,12 @@ class KvAwarePolicy(Policy):
         self.calibrator = Calibrator(**calib_opts)
         self.tiers = TierPolicy.from_options(self.params.tier_policy)
         self._models: dict[str, ModelCost] = {}
-        #: Per worker: (sent at, predicted service seconds) of the requests this policy sent there, oldest
-        #: first, until their outcome is observed: a virtual FIFO queue for the queue term.
-        self._pending: dict[str, OrderedDict[str, tuple[float, float]]] = {}
+        #: Per worker: (sent at, predicted service seconds, KV blocks it holds) of the requests this policy
+        #: sent there, oldest first, until their outcome is observed: a virtual FIFO queue for the queue
+        #: term, and the blocks they hold for the KV-space term.
+        self._pending: dict[str, OrderedDict[str, tuple[float, float, int]]] = {}
+        #: Per worker: EWMA of how long a request holds its KV blocks (sent -> outcome observed).
+        self._hold_s: dict[str, float] = {}
 
     @classmethod
     def for_pool(cls, pool: PoolContext, **options: Any) -> KvAwarePolicy:
@@ -175,7 +181,12 @@ class KvAwarePolicy(Policy):
         return self.calibrator.stale_rate()
 
     def observe(self, outcome: RouteOutcome) -> None:
-        self._pending.get(outcome.plan.prefill, OrderedDict()).pop(outcome.request_id, None)
+        entry = self._pending.get(outcome.plan.prefill, OrderedDict()).pop(outcome.request_id, None)
+        if entry is not None and outcome.ok:
+            held = max(0.0, self.calibrator.now() - entry[0])
+            old = self._hold_s.get(outcome.plan.prefill)
+            alpha = self.calibrator.alpha
+            self._hold_s[outcome.plan.prefill] = held if old is None else (1 - alpha) * old + alpha * held
         self.calibrator.record_plan(outcome.plan.predicted_by_tier,
                                     int(outcome.plan.breakdown.get("bytes_moved", 0)))
         if self.params.calibrate:
@@ -187,7 +198,8 @@ class KvAwarePolicy(Policy):
         pending = self._pending.setdefault(plan.prefill, OrderedDict())
         bd = plan.breakdown  # the prefill worker is busy for all but the queue and the handoff
         service = bd["total_s"] - bd["queue_s"] - bd["handoff_s"] - bd["decode_queue_s"]
-        pending[request.request_id] = (self.calibrator.now(), service)
+        pending[request.request_id] = (self.calibrator.now(), service,
+                                       self._blocks_needed(request, int(bd.get("tokens_GPU", 0))))
         while len(pending) > self.params.max_pending:
             pending.popitem(last=False)
         return plan
@@ -230,8 +242,11 @@ class KvAwarePolicy(Policy):
         for w in healthy:
             match = request.matches.get(w.id)
             if match is None or match.blocks <= 0:  # the common case on a large pool: nothing cached
+                queue = self._queue_s(w)  # first: it drops finished requests from the replay
+                kv_wait = self._kv_wait_s(w, self._blocks_needed(request, 0))
                 locals_[w.id] = _Local(worker=w, tokens={}, cached=0, expected=0.0, promotion_s=0.0,
-                                       queue_s=self._queue_s(w), peer_tokens=0, peer_prob=p_remote)
+                                       queue_s=queue + kv_wait, peer_tokens=0, peer_prob=p_remote,
+                                       kv_wait_s=kv_wait)
                 continue
             run = usable_run(match, allow_storage, allow_remote)
             tokens: dict[str, int] = {}
@@ -245,9 +260,12 @@ class KvAwarePolicy(Policy):
             promotion = (exp.get("CPU", 0.0) * bpt / prm.promotion_cpu_bytes_per_s
                          + exp.get("STORAGE", 0.0) * bpt / prm.promotion_storage_bytes_per_s)
             served = max(0, match.blocks - max(0, match.remote)) * block
+            queue = self._queue_s(w)
+            kv_wait = self._kv_wait_s(w, self._blocks_needed(request, tokens.get("GPU", 0)))
             locals_[w.id] = _Local(
                 worker=w, tokens=tokens, cached=cap - left, expected=sum(exp.values()), promotion_s=promotion,
-                queue_s=self._queue_s(w), peer_tokens=min(cap, served), peer_prob=p_remote)
+                queue_s=queue + kv_wait, peer_tokens=min(cap, served), peer_prob=p_remote,
+                kv_wait_s=kv_wait)
         return _Ctx(request=request, model=model, prompt=prompt, cap=cap,
                     scale=self.calibrator.prefill_scale(request.model), locals=locals_,
                     best_local=max((lw.expected for lw in locals_.values()), default=0.0),
@@ -331,7 +349,7 @@ class KvAwarePolicy(Policy):
                 pending.popitem(last=False)
             now = self.calibrator.now()
             free_at = float("-inf")
-            for sent, service in pending.values():
+            for sent, service, _ in pending.values():
                 free_at = max(free_at, sent) + service
             known = max(0.0, free_at - now)
             own = len(pending)
@@ -340,6 +358,34 @@ class KvAwarePolicy(Policy):
         waiting = min(scraped, w.waiting)
         unknown = sent_unknown + waiting + (scraped - waiting) * self.params.unknown_running_weight
         return (known + unknown * self.calibrator.service_time(w.id)) / self.params.queue_parallelism
+
+    @staticmethod
+    def _blocks_needed(request: RouteRequest, gpu_cached_tokens: int) -> int:
+        """New KV blocks the engine must allocate to admit the request: prompt + output, minus GPU hits."""
+        block = max(1, request.block_size)
+        total = -(-((request.prompt_tokens or 0) + (request.max_tokens or 0)) // block)
+        return max(0, total - gpu_cached_tokens // block)
+
+    def _kv_wait_s(self, w: WorkerView, needed: int) -> float:
+        """Expected wait until ``needed`` KV blocks are free on ``w`` (0 when they already are).
+
+        Used blocks are the larger of the scraped usage and what this policy's outstanding requests hold
+        (the scrape lags). A request holds its blocks for about ``hold`` seconds, released at spread-out
+        times, so freeing a shortfall of ``s`` of ``used`` blocks takes about ``hold x s / used``. vLLM's
+        scheduler admits first come, first served once blocks are free: without this term a worker
+        holding a session's history looks free while its cache cannot take the next long turn.
+        """
+        capacity = w.kv_blocks
+        if not capacity or needed <= 0 or needed > capacity:  # unknown size, or the engine will refuse
+            return 0.0
+        pending = self._pending.get(w.id)
+        own = sum(blocks for _, _, blocks in pending.values()) if pending else 0
+        used = min(float(capacity), max(w.kv_usage * capacity, float(own)))
+        free = capacity - used
+        if needed <= free or used <= 0:
+            return 0.0
+        hold = self._hold_s.get(w.id, self.params.default_hold_s)
+        return hold * min(needed - free, used) / used
 
     # -- the cost of one candidate ------------------------------------------------------------------
 
@@ -397,6 +443,7 @@ class KvAwarePolicy(Policy):
         bd["total_s"] = o.score
         bd["affinity_penalty_s"] = o.rank - o.score
         bd["reuse_conversation"] = 1.0 if o.reuse else 0.0
+        bd["kv_space_wait_s"] = o.p.kv_wait_s  # included in queue_s
         if not bd["tokens_REMOTE"]:
             del bd["tokens_REMOTE"]
         for tier, n in o.p.tokens.items():

@@ -63,6 +63,9 @@ class CostParams:
     kv_pressure_decay: float = 0.5
     #: Queue wait = load x service time / parallelism (service time is calibrated per worker).
     default_service_time_s: float = 0.1
+    #: How long a request holds its KV blocks (send to outcome, i.e. prefill + decode) before it has been
+    #: measured on a worker; then an EWMA of the observed times. Feeds the wait for KV space.
+    default_hold_s: float = 2.0
     queue_parallelism: float = 1.0
     #: Share of a service time counted per request the engine reports running that the router did not
     #: send (or that a stale scrape still shows): most running requests are decoding, not prefilling.
@@ -98,7 +101,7 @@ class CostParams:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         for name in ("attention_coeff_s", "lookup_rtt_s", "handoff_s", "transfer_setup_s", "kv_pressure_decay",
-                     "default_service_time_s", "decode_queue_s_per_request", "unknown_running_weight",
+                     "default_service_time_s", "default_hold_s", "decode_queue_s_per_request", "unknown_running_weight",
                      "affinity_weight", "pd_split_threshold_tokens", "kv_recompute_threshold"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")

@@ -45,6 +45,7 @@ class WorkerLoad:
     prefix_queries: float = 0.0
     prefix_hits: float = 0.0
     block_size: int | None = None
+    num_gpu_blocks: int | None = None
     scraped_at: float | None = None
 
 
@@ -84,7 +85,8 @@ class WorkerState:
         cfg = self.config
         return WorkerView(id=cfg.worker_id, role=cfg.role, healthy=bool(self.healthy), inflight=self.inflight,
                           running=int(self.load.running), waiting=int(self.load.waiting),
-                          kv_usage=self.load.kv_usage, p2p_host=cfg.p2p_host, p2p_port=cfg.p2p_port)
+                          kv_usage=self.load.kv_usage, kv_blocks=self.load.num_gpu_blocks,
+                          p2p_host=cfg.p2p_host, p2p_port=cfg.p2p_port)
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -109,6 +111,9 @@ def parse_vllm_metrics(text: str) -> WorkerLoad:
                 raw = sample.labels.get("block_size")
                 if raw and raw.isdigit():
                     load.block_size = int(raw)
+                raw = sample.labels.get("num_gpu_blocks")
+                if raw and raw.isdigit():  # per engine; the smallest rank is what limits admission
+                    load.num_gpu_blocks = min(int(raw), load.num_gpu_blocks or int(raw))
                 continue
             attr = _SCRAPED.get(name[:-6] if name.endswith("_total") else name)
             if attr is None:

@@ -183,6 +183,38 @@ def test_pool_link_figures_reach_the_cost_model_unless_set_explicitly() -> None:
     assert KvAwarePolicy.for_pool(PoolContext()).params.transfer_setup_s == 0.0
 
 
+def test_a_full_kv_cache_sends_a_long_turn_elsewhere() -> None:
+    """The holder's cache is full of other requests: admitting 800 new blocks means waiting for half its
+    requests to finish (hold 2 s x 800/1000 = 1.6 s), more than recomputing the held 3200 tokens."""
+    req = request(16000, gpu("w0", 200))
+    ws = [dataclasses.replace(w, kv_blocks=1000) for w in workers(2)]
+    ws[0] = dataclasses.replace(ws[0], kv_usage=1.0)
+    plan = kvaware().choose(req, ws)
+    assert plan.prefill == "w1"
+    holder = next(c for c in kvaware().explain(req, ws).candidates if c.prefill == "w0")
+    assert holder.breakdown["kv_space_wait_s"] == pytest.approx(2.0 * 800 / 1000)
+    assert holder.breakdown["queue_s"] >= holder.breakdown["kv_space_wait_s"]
+    # Free space, or a worker that does not report its cache size: the holder keeps the session.
+    assert kvaware().choose(req, [dataclasses.replace(ws[0], kv_usage=0.1), ws[1]]).prefill == "w0"
+    assert kvaware().choose(req, [dataclasses.replace(ws[0], kv_blocks=None), ws[1]]).prefill == "w0"
+
+
+def test_own_outstanding_requests_count_before_the_scrape_shows_them() -> None:
+    clock = [0.0]
+    policy = kvaware(now=lambda: clock[0])
+    ws = [dataclasses.replace(w, kv_blocks=1000) for w in workers(1)]
+    first = policy.choose(request(12000, request_id="a"), ws)  # 750 blocks, scraped usage still 0
+    assert first.breakdown["kv_space_wait_s"] == 0.0
+    ws = [dataclasses.replace(ws[0], inflight=1)]
+    second = policy.explain(request(12000, request_id="b"), ws).candidates[0]
+    assert second.breakdown["kv_space_wait_s"] == pytest.approx(2.0 * 500 / 750)
+    clock[0] = 4.0  # the first request finishes after 4 s: that is how long requests hold blocks here
+    policy.observe(RouteOutcome("a", "m", first, prompt_tokens=12000, cached_tokens=0, ttft_s=1.0))
+    ws = [dataclasses.replace(ws[0], inflight=0, kv_usage=0.75)]  # another client's 750 blocks
+    third = policy.explain(request(12000, request_id="c"), ws).candidates[0]
+    assert third.breakdown["kv_space_wait_s"] == pytest.approx(4.0 * 500 / 750)
+
+
 def test_nearly_full_kv_cache_makes_gpu_hits_less_likely() -> None:
     ws = workers(2)
     ws[0] = dataclasses.replace(ws[0], kv_usage=1.0)

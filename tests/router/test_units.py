@@ -51,13 +51,15 @@ def test_parse_vllm_metrics_sums_ranks_and_reads_block_size() -> None:
         "# TYPE vllm:prefix_cache_hits counter",
         'vllm:prefix_cache_hits_total{engine="0"} 40.0',
         "# TYPE vllm:cache_config_info gauge",
-        'vllm:cache_config_info{block_size="32",engine="0"} 1.0',
+        'vllm:cache_config_info{block_size="32",engine="0",num_gpu_blocks="4096"} 1.0',
+        'vllm:cache_config_info{block_size="32",engine="1",num_gpu_blocks="4000"} 1.0',
         "# TYPE something_else gauge",
         "something_else 9",
     ]) + "\n"
     load = parse_vllm_metrics(text)
     assert (load.running, load.waiting, load.kv_usage) == (5.0, 4.0, 0.7)
     assert (load.prefix_queries, load.prefix_hits, load.block_size) == (100.0, 40.0, 32)
+    assert load.num_gpu_blocks == 4000  # the smaller engine is what limits admission
 
 
 def test_health_hysteresis() -> None:
