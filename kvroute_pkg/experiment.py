@@ -147,6 +147,7 @@ def run_policy(policy: str, trace: Trace, fleet: FleetSpec, *, workdir: Path | N
             model = config["models"][0]["name"] if config.get("models") else None
             report = asyncio.run(replay(trace, base, model=model, time_scale=fleet.time_scale,
                                         on_result=on_result))
+            time.sleep(0.5)  # the router records a request's outcome just after its client saw the end
             metrics = _scrape(base + "/metrics")
         workers = {w.get("id") or w["url"]: _scrape(w["url"].rstrip("/") + "/metrics")
                    for w in config.get("workers", [])}
