@@ -15,6 +15,7 @@ A lookup is one ``EVALSHA`` whatever the prefix length; a batch is one ``EVALSHA
 
 from __future__ import annotations
 
+import logging
 import struct
 from collections.abc import Sequence
 from typing import Any
@@ -23,7 +24,11 @@ import redis.asyncio as aioredis
 from kvroute.indexer.backend import IndexBackend, IndexOp, IndexUnavailable, WorkerIndexStats, WorkerMatch
 from kvroute.indexer.redis_lua import LOOKUP, WRITE
 from kvroute.indexer.tiers import Tier
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
+
+log = logging.getLogger("kvroute.indexer.redis")
 
 _KIND = {"store": b"s", "remove": b"r", "clear": b"c"}
 #: Keys per script call when rewriting large snapshots (keeps Redis responsive for others).
@@ -44,7 +49,13 @@ def key_names(prefix: bytes, keys: Sequence[int]) -> bytes:
 
 
 class RedisIndex(IndexBackend):
-    """Index kept in Redis. Every failure to reach Redis surfaces as :class:`IndexUnavailable`."""
+    """Index kept in Redis. Every failure to reach Redis surfaces as :class:`IndexUnavailable`.
+
+    Every wait on Redis is bounded by ``timeout_s``: connecting, sending, reading a reply (a server that
+    stopped answering, e.g. frozen or behind a dead link, fails the call instead of blocking it), closing.
+    A failed command is not retried here: the indexer keeps its local views and rewrites them once Redis
+    answers again, so retries would only hold its lock longer while Redis is away.
+    """
 
     name = "redis"
 
@@ -53,7 +64,7 @@ class RedisIndex(IndexBackend):
         self.prefix = prefix
         self.ttl_s = ttl_s
         self.redis = client or aioredis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry_on_timeout=False
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0)
         )
         self._write = self.redis.register_script(WRITE)
         self._lookup = self.redis.register_script(LOOKUP)
@@ -192,4 +203,8 @@ class RedisIndex(IndexBackend):
             return False
 
     async def close(self) -> None:
-        await self.redis.aclose()
+        """Close the connections; a Redis that is gone or frozen is logged, never raised (shutdown goes on)."""
+        try:
+            await self.redis.aclose()
+        except (RedisError, OSError) as exc:
+            log.warning("closing the redis connections failed: %s", exc)

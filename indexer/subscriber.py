@@ -23,6 +23,7 @@ import zmq
 import zmq.asyncio
 from kvroute.indexer.events import REPLAY_END_SEQ, encode_seq
 from kvroute.indexer.service import KVIndexer
+from kvroute.indexer.tasks import cancel_and_wait, raise_if_cancel_swallowed
 from zmq.utils.monitor import parse_monitor_message
 
 log = logging.getLogger("kvroute.indexer.subscriber")
@@ -142,10 +143,7 @@ class EventSubscriber:
         if spec is None:
             return
         self._topics = {t: w for t, w in self._topics.items() if w != worker_id}
-        for task in self._tasks.pop(worker_id, []):
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await cancel_and_wait(self._tasks.pop(worker_id, []))
         await self.indexer.unregister_worker(worker_id)
 
     # ---- lifecycle -----------------------------------------------------------------------------
@@ -166,21 +164,20 @@ class EventSubscriber:
         self._watchdog = asyncio.create_task(self._watch(), name="kv-events-watchdog")
 
     async def stop(self) -> None:
+        """Stop every task (bounded, see :mod:`kvroute.indexer.tasks`) and close the bound socket."""
         self._running = False
         tasks = [t for ts in self._tasks.values() for t in ts]
         tasks += [t for t in (self._bound_task, self._watchdog) if t is not None]
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-        self._tasks.clear()
-        self._bound_task = self._watchdog = None
-        if self._bound is not None:
-            with contextlib.suppress(zmq.ZMQError):
-                self._bound.unbind(self.bound_endpoint or self.bind or "")
-            self._bound.close(0)
-            self._bound = None
+        try:
+            await cancel_and_wait(tasks)
+        finally:
+            self._tasks.clear()
+            self._bound_task = self._watchdog = None
+            if self._bound is not None:
+                with contextlib.suppress(zmq.ZMQError):
+                    self._bound.unbind(self.bound_endpoint or self.bind or "")
+                self._bound.close(0)
+                self._bound = None
 
     def _start_worker(self, spec: WorkerSpec) -> None:
         assert spec.endpoint is not None
@@ -210,9 +207,13 @@ class EventSubscriber:
         try:
             await self._catch_up(spec)
             while True:
+                # A cancel dropped by a Redis write (Python 3.11's wait_for) must end the loop here, not
+                # leave it waiting for the next message while stop() waits for it.
+                raise_if_cancel_swallowed()
                 burst = await _drain(sock)
                 async with self.indexer.batched():
                     for frames in burst:
+                        raise_if_cancel_swallowed()
                         await self._handle(spec, frames)
         finally:
             sock.close(0)
@@ -221,6 +222,7 @@ class EventSubscriber:
                             monitor: zmq.asyncio.Socket) -> None:
         try:
             while True:
+                raise_if_cancel_swallowed()
                 event = parse_monitor_message(await monitor.recv_multipart())
                 if event["event"] == zmq.EVENT_CONNECTED:
                     self.indexer.mark_up(spec.worker_id)
@@ -234,9 +236,11 @@ class EventSubscriber:
 
     async def _bound_loop(self, sock: zmq.asyncio.Socket) -> None:
         while True:
+            raise_if_cancel_swallowed()
             burst = await _drain(sock)
             async with self.indexer.batched():
                 for frames in burst:
+                    raise_if_cancel_swallowed()
                     worker_id = self._topics.get(frames[0]) if frames else None
                     spec = self._specs.get(worker_id) if worker_id else None
                     if spec is None:
@@ -275,7 +279,10 @@ class EventSubscriber:
             dealer.connect(rank_endpoint(spec.replay, rank))
             await dealer.send_multipart([b"", encode_seq(start)])
             while True:
-                frames = await asyncio.wait_for(dealer.recv_multipart(), self.replay_timeout_s)
+                raise_if_cancel_swallowed()
+                # asyncio.timeout, not wait_for: on Python 3.11 wait_for can drop a cancellation.
+                async with asyncio.timeout(self.replay_timeout_s):
+                    frames = await dealer.recv_multipart()
                 if frames and frames[0] == b"":
                     frames = frames[1:]
                 if len(frames) == 2:  # older vLLM: no topic frame
@@ -305,10 +312,13 @@ class EventSubscriber:
         loop = asyncio.get_running_loop()
         next_refresh = loop.time() + (self.refresh_s or 0)
         while True:
+            raise_if_cancel_swallowed()
             await asyncio.sleep(interval)
             try:
                 await self.indexer.purge_gone(self.grace_s)
+                raise_if_cancel_swallowed()
                 await self.indexer.recover()
+                raise_if_cancel_swallowed()
                 if self.refresh_s and loop.time() >= next_refresh:
                     next_refresh = loop.time() + self.refresh_s
                     await self.indexer.refresh()

@@ -12,7 +12,6 @@ knows HTTP, workers and policies; this module adds the KV-aware parts on its hoo
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from typing import Any
 
@@ -21,6 +20,7 @@ from kvroute.indexer.backend import IndexBackend
 from kvroute.indexer.memory import MemoryIndex
 from kvroute.indexer.service import KVIndexer
 from kvroute.indexer.subscriber import EventSubscriber, WorkerSpec
+from kvroute.indexer.tasks import cancel_and_wait, raise_if_cancel_swallowed
 from kvroute.policies import create_policy
 from kvroute.policies.base import PoolContext
 from kvroute.router.app import RouterState, create_app
@@ -110,6 +110,7 @@ class SubscriptionSync:
 
     async def run(self) -> None:
         while True:
+            raise_if_cancel_swallowed()  # a cancel dropped by a Redis purge in reconcile() ends the loop
             try:
                 await self.reconcile()
             except Exception:
@@ -124,9 +125,8 @@ class SubscriptionSync:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait([self._task])
+            self._task = None
         await self.subscriber.stop()
 
 

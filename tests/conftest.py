@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -51,9 +53,19 @@ class RedisServer:
 
     def stop(self) -> None:
         if self.proc is not None:
+            self.resume()  # a SIGSTOPped server would not act on SIGTERM
             self.proc.terminate()
             self.proc.wait(timeout=10)
             self.proc = None
+
+    def freeze(self) -> None:
+        """SIGSTOP: the kernel still accepts connections and data, the server answers nothing (half-open)."""
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)
 
 
 @pytest.fixture(scope="session")
