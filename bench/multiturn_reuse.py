@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvroute.report import pyplot
 from kvroute.sim.presets import get_preset
 from kvroute.sim.timing import prefill_seconds, transfer_seconds
 
@@ -114,12 +115,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 def chart(rows: list[dict[str, Any]], path: Path, title: str) -> Path | None:
     """Grouped bars: full prefill vs reuse per preset (measured), plus the published pair."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     names = [r["preset"] for r in rows] + ["published (article)"]
     full = [r["full_prefill_ms"] for r in rows] + [PUBLISHED["full_prefill_ms"]]

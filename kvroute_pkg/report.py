@@ -52,14 +52,22 @@ def table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str, str]
     return "\n".join(lines)
 
 
-def chart(rows: Sequence[dict[str, Any]], path: Path, title: str) -> Path | None:
-    """Bar chart of TTFT p50/p99 and cached-token share per policy. None when matplotlib is missing."""
+def pyplot() -> Any | None:
+    """matplotlib's pyplot on the file-only Agg backend, or None when matplotlib is not installed."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def chart(rows: Sequence[dict[str, Any]], path: Path, title: str) -> Path | None:
+    """Bar chart of TTFT p50/p99 and cached-token share per policy. None when matplotlib is missing."""
+    plt = pyplot()
+    if plt is None:
         return None
     names = [r["policy"] for r in rows]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
