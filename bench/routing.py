@@ -141,7 +141,7 @@ def figures(run: PolicyRun, trace: Trace, time_scale: float, slo_ms: float, bloc
         **_engine_totals(run.worker_metrics, block),
         "stale": _total(m, "kvroute_stale_decisions_total"),
         "checked": _total(m, "kvroute_checked_decisions_total"),
-        "recomputed": prompt - cached,
+        "prompt_tokens": prompt, "cached_tokens": cached, "recomputed": prompt - cached,
     }
 
 

@@ -484,7 +484,9 @@ class KvAwarePolicy(Policy):
         bd = best.breakdown
         text = (f"best plan, predicted TTFT {bd['total_s'] * 1000:.1f} ms ({best.note}): "
                 f"{best.predicted_cached_tokens}/{ctx.prompt} tokens cached, "
-                f"queue {bd['queue_s'] * 1000:.1f} ms, "
+                f"queue {bd['queue_s'] * 1000:.1f} ms"
+                + (f" (KV space {bd['kv_space_wait_s'] * 1000:.1f} ms)" if bd.get("kv_space_wait_s") else "")
+                + ", "
                 f"prefill {bd['prefill_s'] * 1000:.1f} ms")
         if len(ranked) > 1:
             runner = ranked[1]
