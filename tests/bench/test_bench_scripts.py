@@ -34,10 +34,11 @@ def test_routing_bench_reports_every_policy_with_engine_counters(tmp_path: Path)
             assert 0.0 <= row["oracle_share"] <= 1.1  # blocks land slightly before the first token
             # The engines' per-tier counters add up to the cached tokens the clients were told about.
             served = row["gpu_hits_engine"] + row["cpu_hits_engine"] + row["remote_hits_engine"]
-            assert served == row["cached_tokens"] > 0
+            assert served == row["cached_tokens"]
         assert rows["kvaware"]["checked"] > 0 and rows["round_robin"]["checked"] == 0
         assert (tmp_path / f"routing-{kind}.png").stat().st_size > 10_000
     agentic = {r["policy"]: r for r in report["tables"]["agentic"]}
+    assert agentic["kvaware"]["cached_tokens"] > 0
     assert agentic["kvaware"]["cached_token_ratio"] >= agentic["round_robin"]["cached_token_ratio"]
 
 
