@@ -9,6 +9,7 @@ its lifespan starts the registry's probes and closes the pooled client. Everythi
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -62,6 +63,19 @@ class RouterState:
         return list(dict.fromkeys(names))
 
 
+def settle_heap(gen0_threshold: int) -> None:
+    """Move what start-up allocated out of the garbage collector's reach and collect young objects less
+    often. Otherwise every full collection walks the app, its modules and the index on the request path:
+    with 32 concurrent clients that was +25 ms of added p99 latency, +4 ms after (docs/benchmarks.md).
+    The request path allocates no reference cycles worth collecting early."""
+    if gen0_threshold <= 0:
+        return
+    gc.collect()
+    gc.freeze()
+    _, gen1, gen2 = gc.get_threshold()
+    gc.set_threshold(gen0_threshold, max(gen1, 50), max(gen2, 100))
+
+
 def create_app(config: RouterConfig, *, policy: Policy | None = None, transport: Transport | None = None,
                pipeline_cls: type[Pipeline] = Pipeline,
                admin_routers: list[Any] | None = None) -> Starlette:
@@ -87,6 +101,7 @@ def create_app(config: RouterConfig, *, policy: Policy | None = None, transport:
         await registry.start()
         for hook in state.on_startup:
             await hook(state)
+        settle_heap(config.gc_gen0_threshold)
         try:
             yield
         finally:

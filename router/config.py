@@ -137,6 +137,9 @@ class RouterConfig(_Strict):
     healthy_after: int = Field(default=1, ge=1, description="Good probes before a down worker is marked up")
     http_client: Literal["auto", "httpx", "aiohttp"] = Field(
         default="auto", description="Upstream HTTP client; auto = aiohttp when installed (see benchmarks)")
+    gc_gen0_threshold: int = Field(default=50_000, ge=0,
+        description="After start-up: freeze the heap and set Python's young-generation GC threshold "
+                    "(0 = leave the garbage collector as it is)")
     debug_headers: bool = Field(default=False,
         description="Allow X-KVRoute-Debug: 1 to return the chosen plan")
     log_level: str = "info"

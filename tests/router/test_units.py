@@ -96,3 +96,20 @@ def test_header_filtering() -> None:
     back = response_headers([("Content-Type", "text/event-stream"), ("Transfer-Encoding", "chunked"),
                              ("Server", "uvicorn"), ("X-Custom", "1")], "rid")
     assert back == [(b"x-request-id", b"rid"), (b"content-type", b"text/event-stream"), (b"x-custom", b"1")]
+
+
+def test_settle_heap_freezes_start_up_objects_and_raises_the_young_threshold() -> None:
+    import gc
+
+    from kvroute.router.app import settle_heap
+
+    before = gc.get_threshold()
+    try:
+        settle_heap(0)
+        assert gc.get_threshold() == before
+        settle_heap(50_000)
+        assert gc.get_threshold()[0] == 50_000
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
