@@ -17,7 +17,7 @@ RUN useradd --create-home --uid 10001 kvroute
 COPY --from=build /install /usr/local
 USER kvroute
 WORKDIR /home/kvroute
-EXPOSE 8000
+EXPOSE 8000 9002
 ENV PYTHONUNBUFFERED=1
 HEALTHCHECK --interval=10s --timeout=2s CMD ["python", "-c", "import urllib.request,sys; sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=2).status == 200 else 1)"]
 ENTRYPOINT ["kvroute"]

@@ -15,6 +15,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "serve", help="run the OpenAI-compatible router",
         description="Run the router. The simplest start: kvroute serve --worker http://127.0.0.1:8100 "
                     "--worker http://127.0.0.1:8101 (models discovered from each worker's /v1/models).")
+    add_common_arguments(parser)
+    parser.set_defaults(func=run)
+    return parser
+
+
+def add_common_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags ``kvroute serve`` and ``kvroute epp`` share (both run the same router state)."""
     parser.add_argument("--config", metavar="FILE", help="YAML config file (default: $KVROUTE_CONFIG)")
     parser.add_argument("--worker", metavar="URL", action="append", default=None,
                         help="worker base URL (repeatable); replaces the config file's worker list")
@@ -26,8 +33,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--max-body-bytes", type=int, help="largest accepted request body")
     parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="log level")
     parser.add_argument("--check", action="store_true", help="validate the configuration and exit")
-    parser.set_defaults(func=run)
-    return parser
 
 
 def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
@@ -44,27 +49,40 @@ def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def run(args: argparse.Namespace) -> int:
+def load_checked(args: argparse.Namespace, prog: str) -> Any:
+    """The validated RouterConfig, or an exit code (2: invalid) after printing why."""
     from kvroute.router.config import ConfigError, load_config
 
     try:
         config = load_config(args.config, overrides_from(args))
     except ConfigError as exc:
-        print(f"kvroute serve: {exc}", file=sys.stderr)
+        print(f"{prog}: {exc}", file=sys.stderr)
         return 2
     from kvroute.policies import available_policies
 
     if config.policy not in available_policies():
-        print(f"kvroute serve: invalid configuration: policy: unknown policy {config.policy!r}; "
+        print(f"{prog}: invalid configuration: policy: unknown policy {config.policy!r}; "
               f"available: {', '.join(available_policies())}", file=sys.stderr)
         return 2
     if config.log_level.lower() not in _LOG_LEVELS:
-        print(f"kvroute serve: invalid configuration: log_level: {config.log_level!r} is not one of "
+        print(f"{prog}: invalid configuration: log_level: {config.log_level!r} is not one of "
               f"{', '.join(sorted(_LOG_LEVELS))}", file=sys.stderr)
         return 2
     if not config.workers:
-        print("kvroute serve: no workers configured (use --worker URL or a config file); "
+        print(f"{prog}: no workers configured (use --worker URL or a config file); "
               "workers can also be added later with POST /admin/workers", file=sys.stderr)
+    return config
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level="DEBUG" if level == "trace" else level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def run(args: argparse.Namespace) -> int:
+    config = load_checked(args, "kvroute serve")
+    if isinstance(config, int):
+        return config
     if args.check:
         print(config.model_dump_json(indent=2, exclude={"admin_token"}))
         return 0
@@ -73,8 +91,7 @@ def run(args: argparse.Namespace) -> int:
     from kvroute.router.server import build_app
 
     level = config.log_level.lower()
-    logging.basicConfig(level="DEBUG" if level == "trace" else level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(level)
     try:
         app = build_app(config)
     except (KeyError, TypeError, ValueError) as exc:

@@ -1,0 +1,142 @@
+"""``kvroute epp``: the router as a Gateway API Inference Extension Endpoint Picker.
+
+The same state as ``kvroute serve`` (:func:`~kvroute.router.server.build_app`: registry with health and
+metrics probes, KV index and event subscribers, policy, pipeline) so ``/metrics``, ``/admin/*`` and
+``/ready`` stay on the HTTP port; Envoy talks ext_proc gRPC to ``--grpc-port`` (9002, the port
+InferencePool's ``endpointPickerRef`` conventionally names). The gRPC server starts and stops with the
+app's lifespan, so both ports live and die together. The stream logic is in :mod:`kvroute.router.extproc`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import sys
+from typing import Any
+
+from kvroute.router.cli import add_common_arguments, load_checked, setup_logging
+
+log = logging.getLogger("kvroute.epp")
+
+DEFAULT_GRPC_PORT = 9002
+#: gRPC health service names the Endpoint Picker Protocol defines, besides the overall "" status.
+HEALTH_SERVICES = ("", "liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor")
+HEALTH_INTERVAL_S = 1.0
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "epp", help="run as a Gateway API Inference Extension Endpoint Picker (Envoy ext_proc)",
+        description="Pick endpoints for Envoy (ext_proc gRPC on --grpc-port) with kvroute's index and policies; "
+                    "metrics, admin and readiness stay on the HTTP --port. See docs/epp.md.")
+    add_common_arguments(parser)
+    parser.add_argument("--grpc-host", default=None, help="address of the ext_proc server (default: --host)")
+    parser.add_argument("--grpc-port", type=int, default=DEFAULT_GRPC_PORT,
+                        help=f"ext_proc gRPC port (default {DEFAULT_GRPC_PORT})")
+    parser.add_argument("--body-mode", choices=["full_duplex_streamed", "buffered"], default="full_duplex_streamed",
+                        help="Envoy's request/response body mode when its protocol_config does not say "
+                             "(default full_duplex_streamed, as the Inference Extension configures Envoy)")
+    parser.set_defaults(func=run)
+    return parser
+
+
+class GrpcEpp:
+    """The ext_proc gRPC server (and its gRPC health service) bound to one router state."""
+
+    def __init__(self, host: str, port: int, options: Any) -> None:
+        self.host = host
+        self.port = port
+        self.options = options
+        self.server: Any = None
+        self._health_task: asyncio.Task[None] | None = None
+
+    async def start(self, state: Any) -> None:
+        import grpc
+        from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+        from grpc_health.v1 import health_pb2_grpc
+        from grpc_health.v1._async import HealthServicer
+        from kvroute.router.extproc import Endpoints, ExternalProcessor
+
+        endpoints = Endpoints()
+        await endpoints.refresh(w.url for w in state.registry.all())
+        self.server = grpc.aio.server()
+        pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(state, self.options, endpoints),
+                                                        self.server)
+        health = HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health, self.server)
+        bound = self.server.add_insecure_port(f"{self.host}:{self.port}")
+        if not bound:
+            raise RuntimeError(f"cannot bind the ext_proc server to {self.host}:{self.port}")
+        self.port = bound
+        await self.server.start()
+        self._health_task = asyncio.create_task(self._maintain(state, health, endpoints), name="epp-maintain")
+        log.info("ext_proc endpoint picker listening on %s:%d", self.host, self.port)
+
+    @staticmethod
+    async def _maintain(state: Any, health: Any, endpoints: Any) -> None:
+        """gRPC health mirrors ``/ready`` (serving once every model has a healthy worker), and worker names
+        are re-resolved (pods get new addresses when they restart)."""
+        from grpc_health.v1 import health_pb2
+
+        serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+        await health.set("liveness", serving)
+        while True:
+            ok, _ = state.registry.ready(state.expected_models())
+            for name in HEALTH_SERVICES:
+                if name != "liveness":
+                    await health.set(name, serving if ok else not_serving)
+            await asyncio.sleep(HEALTH_INTERVAL_S)
+            try:
+                await endpoints.refresh(w.url for w in state.registry.all())
+            except Exception:
+                log.exception("resolving worker addresses failed")
+
+    async def stop(self, _: Any = None) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+        if self.server is not None:
+            await self.server.stop(grace=2.0)  # in-flight streams get a moment to finish
+
+
+def attach_epp(app: Any, *, host: str, port: int = DEFAULT_GRPC_PORT, body_mode: str = "full_duplex_streamed",
+               max_body_bytes: int | None = None) -> GrpcEpp:
+    """Run the ext_proc server within ``app``'s lifespan (``app`` from build_app); returns it (its
+    ``port`` is the bound one once started, useful with port 0)."""
+    from kvroute.router.extproc import BUFFERED, FULL_DUPLEX, EppOptions
+
+    state = app.state.kvroute
+    options = EppOptions(body_mode=BUFFERED if body_mode == "buffered" else FULL_DUPLEX,
+                         max_body_bytes=max_body_bytes or state.config.max_body_bytes)
+    epp = GrpcEpp(host, port, options)
+    state.on_startup.append(epp.start)
+    state.on_shutdown.append(epp.stop)
+    return epp
+
+
+def run(args: argparse.Namespace) -> int:
+    config = load_checked(args, "kvroute epp")
+    if isinstance(config, int):
+        return config
+    if args.check:
+        print(config.model_dump_json(indent=2, exclude={"admin_token"}))
+        return 0
+
+    import uvicorn
+    from kvroute.router.server import build_app
+
+    level = config.log_level.lower()
+    setup_logging(level)
+    try:
+        app = build_app(config)
+    except (KeyError, TypeError, ValueError) as exc:
+        print(f"kvroute epp: {exc}", file=sys.stderr)
+        return 2
+    attach_epp(app, host=args.grpc_host or config.host, port=args.grpc_port, body_mode=args.body_mode)
+    # The asyncio loop, not uvloop: grpc.aio integrates with the standard event loop.
+    uvicorn.run(app, host=config.host, port=config.port, loop="asyncio", http="httptools",
+                log_level=level, access_log=False, server_header=False, proxy_headers=False)
+    return 0
