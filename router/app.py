@@ -23,7 +23,7 @@ from kvroute.router.config import RouterConfig
 from kvroute.router.errors import ApiError, api_error_response, error_response, model_not_found
 from kvroute.router.forwarding import Forwarder, upstream_headers
 from kvroute.router.metrics import CONTENT_TYPE, RouterMetrics
-from kvroute.router.parsing import check_generation, parse_json_object, read_body, request_id_of
+from kvroute.router.parsing import check_generation, parse_json_object, read_body, request_id_of, sniff_passthrough
 from kvroute.router.pipeline import ClientGone, Pipeline, RequestContext, until_disconnect
 from kvroute.router.registry import WorkerRegistry
 from kvroute.router.transport import Transport, make_transport
@@ -209,19 +209,9 @@ def _passthrough(state: RouterState) -> Callable[[Request], Any]:
                 raise ApiError(404, f"{request.url.path} is an engine-control endpoint and is not proxied; "
                                     "call the worker directly", "not_proxied", "not_found_error")
             body = await read_body(request, limit)
-            data: dict[str, Any] | None = None
-            if body.lstrip()[:1] == b"{":
-                try:
-                    parsed = orjson.loads(body)
-                    data = parsed if isinstance(parsed, dict) else None
-                except orjson.JSONDecodeError:
-                    data = None
-            model = data.get("model") if data else None
-            if model is not None and not isinstance(model, str):
-                raise ApiError(400, "`model` must be a string", "invalid_model")
+            data, model, stream = sniff_passthrough(body)
             if model and not state.registry.knows_model(model):
                 raise model_not_found(model)
-            stream = bool(data.get("stream")) if data else False
             path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
             ctx = RequestContext(request_id, request.method, path, route,
                                  upstream_headers(request.headers.raw, request_id), body, data, model or None,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Callable
 from typing import Any
 
 _LOG_LEVELS = {"critical", "error", "warning", "info", "debug", "trace"}
@@ -80,7 +81,14 @@ def setup_logging(level: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    config = load_checked(args, "kvroute serve")
+    return run_router(args, "kvroute serve")
+
+
+def run_router(args: argparse.Namespace, prog: str, *, loop: str = "uvloop",
+               attach: Callable[[Any, Any], None] | None = None) -> int:
+    """Validate the config, build the router app, let ``attach(app, config)`` add to it (the EPP's gRPC
+    server), and serve it until stopped. Shared by ``kvroute serve`` and ``kvroute epp``."""
+    config = load_checked(args, prog)
     if isinstance(config, int):
         return config
     if args.check:
@@ -95,8 +103,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         app = build_app(config)
     except (KeyError, TypeError, ValueError) as exc:
-        print(f"kvroute serve: {exc}", file=sys.stderr)
+        print(f"{prog}: {exc}", file=sys.stderr)
         return 2
-    uvicorn.run(app, host=config.host, port=config.port, loop="uvloop", http="httptools",
+    if attach is not None:
+        attach(app, config)
+    uvicorn.run(app, host=config.host, port=config.port, loop=loop, http="httptools",
                 log_level=level, access_log=False, server_header=False, proxy_headers=False)
     return 0

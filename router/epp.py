@@ -13,10 +13,9 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import sys
 from typing import Any
 
-from kvroute.router.cli import add_common_arguments, load_checked, setup_logging
+from kvroute.router.cli import add_common_arguments, run_router
 
 log = logging.getLogger("kvroute.epp")
 
@@ -118,25 +117,8 @@ def attach_epp(app: Any, *, host: str, port: int = DEFAULT_GRPC_PORT, body_mode:
 
 
 def run(args: argparse.Namespace) -> int:
-    config = load_checked(args, "kvroute epp")
-    if isinstance(config, int):
-        return config
-    if args.check:
-        print(config.model_dump_json(indent=2, exclude={"admin_token"}))
-        return 0
+    def attach(app: Any, config: Any) -> None:
+        attach_epp(app, host=args.grpc_host or config.host, port=args.grpc_port, body_mode=args.body_mode)
 
-    import uvicorn
-    from kvroute.router.server import build_app
-
-    level = config.log_level.lower()
-    setup_logging(level)
-    try:
-        app = build_app(config)
-    except (KeyError, TypeError, ValueError) as exc:
-        print(f"kvroute epp: {exc}", file=sys.stderr)
-        return 2
-    attach_epp(app, host=args.grpc_host or config.host, port=args.grpc_port, body_mode=args.body_mode)
     # The asyncio loop, not uvloop: grpc.aio integrates with the standard event loop.
-    uvicorn.run(app, host=config.host, port=config.port, loop="asyncio", http="httptools",
-                log_level=level, access_log=False, server_header=False, proxy_headers=False)
-    return 0
+    return run_router(args, "kvroute epp", loop="asyncio", attach=attach)

@@ -40,7 +40,7 @@ from kvroute.router.errors import ApiError, error_body, model_not_found
 from kvroute.router.forwarding import Result, UsageSniffer, usage_of
 from kvroute.router.kv_params import KVParamsError, build_flow
 from kvroute.router.kv_pipeline import GENERATION_ROUTES, FlowExecutor, KVPipeline
-from kvroute.router.parsing import check_generation, parse_json_object
+from kvroute.router.parsing import check_generation, parse_json_object, sniff_passthrough
 from kvroute.router.pipeline import RequestContext
 from starlette.requests import Request
 
@@ -309,17 +309,7 @@ class Exchange:
             route = bare
         else:
             route = "other"
-            if body.lstrip()[:1] == b"{":
-                try:
-                    parsed = orjson.loads(body)
-                    data = parsed if isinstance(parsed, dict) else None
-                except orjson.JSONDecodeError:
-                    data = None
-            given = data.get("model") if data else None
-            if given is not None and not isinstance(given, str):
-                raise ApiError(400, "`model` must be a string", "invalid_model")
-            model = given or None
-            stream = bool(data.get("stream")) if data else False
+            data, model, stream = sniff_passthrough(body)
         if model and not state.registry.knows_model(model):
             raise model_not_found(model)
         headers = [("x-request-id", self.request_id),

@@ -66,6 +66,22 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
     return data
 
 
+def sniff_passthrough(body: bytes) -> tuple[dict[str, Any] | None, str | None, bool]:
+    """``(data, model, stream)`` of a pass-through route's body: a JSON object when it is one (else None,
+    the body is forwarded as it is), its ``model`` (400 when not a string) and ``stream`` flag."""
+    data: dict[str, Any] | None = None
+    if body.lstrip()[:1] == b"{":
+        try:
+            parsed = orjson.loads(body)
+            data = parsed if isinstance(parsed, dict) else None
+        except orjson.JSONDecodeError:
+            data = None
+    model = data.get("model") if data else None
+    if model is not None and not isinstance(model, str):
+        raise ApiError(400, "`model` must be a string", "invalid_model")
+    return data, model or None, bool(data.get("stream")) if data else False
+
+
 def check_generation(data: dict[str, Any], kind: str) -> tuple[str, bool]:
     """Check what routing depends on (``kind``: "completion" or "chat"); return (model, stream)."""
     model = data.get("model")
