@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 from typing import Any
 
@@ -81,7 +80,10 @@ class GrpcEpp:
 
         serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
         await health.set("liveness", serving)
+        from kvroute.indexer.tasks import raise_if_cancel_swallowed
+
         while True:
+            raise_if_cancel_swallowed()
             ok, _ = state.registry.ready(state.expected_models())
             for name in HEALTH_SERVICES:
                 if name != "liveness":
@@ -93,10 +95,10 @@ class GrpcEpp:
                 log.exception("resolving worker addresses failed")
 
     async def stop(self, _: Any = None) -> None:
+        from kvroute.indexer.tasks import cancel_and_wait
+
         if self._health_task is not None:
-            self._health_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._health_task
+            await cancel_and_wait([self._health_task])  # bounded, even if an await dropped the cancel
         if self.server is not None:
             await self.server.stop(grace=2.0)  # in-flight streams get a moment to finish
 

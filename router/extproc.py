@@ -96,7 +96,8 @@ class Endpoints:
             if not host or _is_ip(host):
                 continue
             try:
-                infos = await asyncio.wait_for(loop.getaddrinfo(host, None, type=socket.SOCK_STREAM), 2.0)
+                async with asyncio.timeout(2.0):  # not wait_for: on 3.11 it can drop a cancellation
+                    infos = await loop.getaddrinfo(host, None, type=socket.SOCK_STREAM)
             except (OSError, TimeoutError) as exc:
                 log.warning("cannot resolve worker %s (%s); reporting it by name", url, exc)
                 continue
