@@ -51,3 +51,11 @@ def test_multiturn_reuse_bench_compares_with_the_timing_model(tmp_path: Path) ->
     assert data["runs"]["llama-8b-h100"][0]["reuse_cached_tokens"] > 2900  # the decoder's KV was pulled
     assert row["full_prefill_ms"] > row["reuse_ms"] > 0  # on this preset pulling 3k tokens beats recomputing
     assert 0 < row["ratio"] < 1
+
+
+def test_epp_bench_picks_the_cached_worker(tmp_path: Path) -> None:
+    done = run_script("epp_overhead.py", "--requests", "40", "--concurrency", "4")
+    lines = done.stdout.splitlines()
+    for target in ("bare-picker ", "epp round_robin ", "epp kvaware "):
+        assert any(line.startswith(target) for line in lines), done.stdout
+    assert "40/40 sequential picks went to the cached worker" in done.stdout
