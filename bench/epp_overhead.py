@@ -29,14 +29,12 @@ import argparse
 import asyncio
 import os
 import shutil
-import signal
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +47,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from kvroute.experiment import answers_ok, free_port, stop_process, wait_until_ready
 
 FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 DESTINATION = "x-gateway-destination-endpoint"
@@ -101,36 +100,11 @@ asyncio.run(main())
 '''
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_until(predicate: Callable[[], bool], proc: subprocess.Popen[bytes], what: str, log: Path,
-               timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with {proc.returncode}; log:\n{log.read_text()[-3000:]}")
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise RuntimeError(f"{what} not ready after {timeout_s:.0f}s; log:\n{log.read_text()[-3000:]}")
-
-
 def port_open(port: int) -> bool:
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.2):
             return True
     except OSError:
-        return False
-
-
-def answers_ok(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=1.0).status_code == 200
-    except httpx.HTTPError:
         return False
 
 
@@ -140,13 +114,8 @@ def start(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
 
 
 def stop(proc: subprocess.Popen[bytes] | None) -> None:
-    if proc is not None and proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    if proc is not None:
+        stop_process(proc)
 
 
 def request_headers() -> pb.ProcessingRequest:
@@ -290,7 +259,7 @@ def main() -> int:
     results: list[tuple[str, Stats]] = []
     notes: list[str] = []
     try:
-        wait_until(lambda: fleet_yaml.exists() and fleet_yaml.stat().st_size > 0, sim, "kvroute sim",
+        wait_until_ready(lambda: fleet_yaml.exists() and fleet_yaml.stat().st_size > 0, sim, "kvroute sim",
                    work / "sim.log")
         time.sleep(0.2)
         fleet = yaml.safe_load(fleet_yaml.read_text())
@@ -307,7 +276,7 @@ def main() -> int:
         log = work / "bare.log"
         proc = start([sys.executable, "-c", BARE, str(port), worker0], log)
         try:
-            wait_until(lambda: port_open(port), proc, "bare picker", log)
+            wait_until_ready(lambda: port_open(port), proc, "bare picker", log)
             results.append(("bare-picker", asyncio.run(measure("bare-picker", port, body, args.requests,
                                                                args.concurrency))))
         finally:
@@ -324,7 +293,7 @@ def main() -> int:
                           "--grpc-port", str(grpc_port), "--log-level", "warning"], log)
             admin = f"http://127.0.0.1:{http_port}"
             try:
-                wait_until(lambda a=admin, g=grpc_port: answers_ok(a + "/ready") and port_open(g), proc,
+                wait_until_ready(lambda a=admin, g=grpc_port: answers_ok(a + "/ready") and port_open(g), proc,
                            "kvroute epp", log)
                 if policy == "kvaware":
                     block = int(fleet["models"][0].get("block_size", 16))
