@@ -24,6 +24,7 @@ from typing import Any
 
 import httpx
 import yaml
+from kvroute.sim.fleet import merge_sections
 from kvroute.sim.replay import ReplayReport, RequestResult, replay
 from kvroute.sim.traces import Trace
 
@@ -129,9 +130,7 @@ def run_policy(policy: str, trace: Trace, fleet: FleetSpec, *, workdir: Path | N
                   fleet_log)
         time.sleep(0.2)  # the file is written in one call; give the workers' sockets a moment
         config = yaml.safe_load(fleet_yaml.read_text())
-        for key, value in (router_config or {}).items():  # sections (pool, index) are merged
-            both = isinstance(value, dict) and isinstance(config.get(key), dict)
-            config[key] = {**config[key], **value} if both else value
+        merge_sections(config, router_config or {})
         config["policy"] = policy
         if policy_options:
             config["policy_options"] = policy_options

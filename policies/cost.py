@@ -242,11 +242,9 @@ class KvAwarePolicy(Policy):
         for w in healthy:
             match = request.matches.get(w.id)
             if match is None or match.blocks <= 0:  # the common case on a large pool: nothing cached
-                queue = self._queue_s(w)  # first: it drops finished requests from the replay
-                kv_wait = self._kv_wait_s(w, self._blocks_needed(request, 0))
+                queue, kv_wait = self._waits(w, request, 0)
                 locals_[w.id] = _Local(worker=w, tokens={}, cached=0, expected=0.0, promotion_s=0.0,
-                                       queue_s=queue + kv_wait, peer_tokens=0, peer_prob=p_remote,
-                                       kv_wait_s=kv_wait)
+                                       queue_s=queue, peer_tokens=0, peer_prob=p_remote, kv_wait_s=kv_wait)
                 continue
             run = usable_run(match, allow_storage, allow_remote)
             tokens: dict[str, int] = {}
@@ -260,12 +258,10 @@ class KvAwarePolicy(Policy):
             promotion = (exp.get("CPU", 0.0) * bpt / prm.promotion_cpu_bytes_per_s
                          + exp.get("STORAGE", 0.0) * bpt / prm.promotion_storage_bytes_per_s)
             served = max(0, match.blocks - max(0, match.remote)) * block
-            queue = self._queue_s(w)
-            kv_wait = self._kv_wait_s(w, self._blocks_needed(request, tokens.get("GPU", 0)))
+            queue, kv_wait = self._waits(w, request, tokens.get("GPU", 0))
             locals_[w.id] = _Local(
                 worker=w, tokens=tokens, cached=cap - left, expected=sum(exp.values()), promotion_s=promotion,
-                queue_s=queue + kv_wait, peer_tokens=min(cap, served), peer_prob=p_remote,
-                kv_wait_s=kv_wait)
+                queue_s=queue, peer_tokens=min(cap, served), peer_prob=p_remote, kv_wait_s=kv_wait)
         return _Ctx(request=request, model=model, prompt=prompt, cap=cap,
                     scale=self.calibrator.prefill_scale(request.model), locals=locals_,
                     best_local=max((lw.expected for lw in locals_.values()), default=0.0),
@@ -358,6 +354,12 @@ class KvAwarePolicy(Policy):
         waiting = min(scraped, w.waiting)
         unknown = sent_unknown + waiting + (scraped - waiting) * self.params.unknown_running_weight
         return (known + unknown * self.calibrator.service_time(w.id)) / self.params.queue_parallelism
+
+    def _waits(self, w: WorkerView, request: RouteRequest, gpu_cached_tokens: int) -> tuple[float, float]:
+        """``(queue including the KV-space wait, the KV-space wait)`` on ``w`` for this request."""
+        queue = self._queue_s(w)  # first: it drops finished requests from the replay the KV term reads
+        kv_wait = self._kv_wait_s(w, self._blocks_needed(request, gpu_cached_tokens))
+        return queue + kv_wait, kv_wait
 
     @staticmethod
     def _blocks_needed(request: RouteRequest, gpu_cached_tokens: int) -> int:

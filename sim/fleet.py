@@ -22,6 +22,15 @@ from kvroute.sim.worker import SimWorker
 PORTS_PER_WORKER = 4
 
 
+def merge_sections(config: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """``config`` updated with ``extra`` in place, sections (``pool``, ``index``) merged key by key rather
+    than replaced, so ``{"pool": {"kv_protocol": "p2p"}}`` keeps the fleet's link figures."""
+    for key, value in extra.items():
+        both = isinstance(value, dict) and isinstance(config.get(key), dict)
+        config[key] = {**config[key], **value} if both else value
+    return config
+
+
 class SimFleet:
     def __init__(self, n_workers: int = 4, preset: str | Preset = "llama-8b-h100", *, time_scale: float = 1.0,
                  roles: Sequence[Role] | None = None, host: str = "127.0.0.1", base_port: int = 0,
@@ -99,10 +108,7 @@ class SimFleet:
                                   "models": [self.model_config()], "pool": self.pool_config()}
         if self.events_connect:
             config["index"] = {"events_bind": self.events_connect}
-        for key, value in extra.items():  # sections (pool, index) are merged, not replaced
-            both = isinstance(value, dict) and isinstance(config.get(key), dict)
-            config[key] = {**config[key], **value} if both else value
-        return config
+        return merge_sections(config, extra)
 
     def stats(self) -> list[dict[str, Any]]:
         """Per-worker counters (prefix-cache queries/hits, KV bytes moved, load)."""
