@@ -56,7 +56,7 @@ WARMUP = 200
 #: The floor: a grpc.aio ExternalProcessor that makes no decision. Like kvroute epp in FULL_DUPLEX_STREAMED
 #: mode it collects the body, then answers the headers (destination header + envoy.lb metadata) and sends
 #: the body back whole.
-BARE = r'''
+BARE = r"""
 import asyncio, sys
 import grpc
 from envoy.config.core.v3 import base_pb2
@@ -97,7 +97,7 @@ async def main():
     await server.wait_for_termination()
 
 asyncio.run(main())
-'''
+"""
 
 
 def port_open(port: int) -> bool:
@@ -119,10 +119,17 @@ def stop(proc: subprocess.Popen[bytes] | None) -> None:
 
 
 def request_headers() -> pb.ProcessingRequest:
-    pairs = [(":method", "POST"), (":path", "/v1/completions"), (":authority", "gw"),
-             ("content-type", "application/json")]
-    msg = pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(
-        headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs])))
+    pairs = [
+        (":method", "POST"),
+        (":path", "/v1/completions"),
+        (":authority", "gw"),
+        ("content-type", "application/json"),
+    ]
+    msg = pb.ProcessingRequest(
+        request_headers=pb.HttpHeaders(
+            headers=base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs])
+        )
+    )
     msg.protocol_config.request_body_mode = FULL_DUPLEX
     msg.protocol_config.response_body_mode = FULL_DUPLEX
     return msg
@@ -228,21 +235,27 @@ def warm(fleet: dict[str, Any], admin: str, model: str, prompt: str, min_tokens:
     """Send the prompt to worker 0 directly, then wait until the picker's index holds its prefix there;
     returns the tokens the index matches on worker 0."""
     worker = fleet["workers"][0]
-    answer = httpx.post(worker["url"].rstrip("/") + "/v1/completions", timeout=30.0,
-                        json={"model": model, "prompt": prompt, "max_tokens": 1})
+    answer = httpx.post(
+        worker["url"].rstrip("/") + "/v1/completions",
+        timeout=30.0,
+        json={"model": model, "prompt": prompt, "max_tokens": 1},
+    )
     answer.raise_for_status()
     deadline = time.monotonic() + 30.0
     matched = 0
     while time.monotonic() < deadline:
         found = httpx.post(admin + "/admin/index/lookup", json={"model": model, "prompt": prompt}, timeout=5.0)
         found.raise_for_status()
-        matched = max((int(m.get("tokens", 0)) for m in found.json().get("matches", [])
-                       if m.get("worker") == worker["id"]), default=0)
+        matched = max(
+            (int(m.get("tokens", 0)) for m in found.json().get("matches", []) if m.get("worker") == worker["id"]),
+            default=0,
+        )
         if matched >= min_tokens:
             return matched
         time.sleep(0.1)
-    raise RuntimeError(f"the index never held the prompt's prefix on {worker['id']} (matched {matched} tokens): "
-                       f"{found.text[:500]}")
+    raise RuntimeError(
+        f"the index never held the prompt's prefix on {worker['id']} (matched {matched} tokens): {found.text[:500]}"
+    )
 
 
 def main() -> int:
@@ -254,22 +267,41 @@ def main() -> int:
 
     work = Path(tempfile.mkdtemp(prefix="kvroute-epp-bench-"))
     fleet_yaml = work / "fleet.yaml"
-    sim = start([sys.executable, "-m", "kvroute.cli", "sim", "--workers", "4", "--preset", "llama-8b-h100",
-                 "--time-scale", "0.01", "--config-out", str(fleet_yaml)], work / "sim.log")
+    sim = start(
+        [
+            sys.executable,
+            "-m",
+            "kvroute.cli",
+            "sim",
+            "--workers",
+            "4",
+            "--preset",
+            "llama-8b-h100",
+            "--time-scale",
+            "0.01",
+            "--config-out",
+            str(fleet_yaml),
+        ],
+        work / "sim.log",
+    )
     results: list[tuple[str, Stats]] = []
     notes: list[str] = []
     try:
-        wait_until_ready(lambda: fleet_yaml.exists() and fleet_yaml.stat().st_size > 0, sim, "kvroute sim",
-                   work / "sim.log")
+        wait_until_ready(
+            lambda: fleet_yaml.exists() and fleet_yaml.stat().st_size > 0, sim, "kvroute sim", work / "sim.log"
+        )
         time.sleep(0.2)
         fleet = yaml.safe_load(fleet_yaml.read_text())
         model = fleet["models"][0]["name"]
         prompt = prompt_of(args.prompt_tokens)
         body = orjson.dumps({"model": model, "prompt": prompt, "max_tokens": 16})
         worker0 = fleet["workers"][0]["url"].split("://", 1)[-1].rstrip("/")
-        print(f"# {os.cpu_count()} CPUs; {args.requests} streams sequential and {args.requests} at concurrency "
-              f"{args.concurrency} per target; /v1/completions body {len(body)} bytes, ~{args.prompt_tokens} "
-              f"prompt tokens; pickers and the 4-worker sim fleet in their own processes", flush=True)
+        print(
+            f"# {os.cpu_count()} CPUs; {args.requests} streams sequential and {args.requests} at concurrency "
+            f"{args.concurrency} per target; /v1/completions body {len(body)} bytes, ~{args.prompt_tokens} "
+            f"prompt tokens; pickers and the 4-worker sim fleet in their own processes",
+            flush=True,
+        )
 
         # 1. bare picker
         port = free_port()
@@ -277,8 +309,9 @@ def main() -> int:
         proc = start([sys.executable, "-c", BARE, str(port), worker0], log)
         try:
             wait_until_ready(lambda: port_open(port), proc, "bare picker", log)
-            results.append(("bare-picker", asyncio.run(measure("bare-picker", port, body, args.requests,
-                                                               args.concurrency))))
+            results.append(
+                ("bare-picker", asyncio.run(measure("bare-picker", port, body, args.requests, args.concurrency)))
+            )
         finally:
             stop(proc)
 
@@ -289,23 +322,41 @@ def main() -> int:
             config_yaml = work / f"epp-{policy}.yaml"
             config_yaml.write_text(yaml.safe_dump(config, sort_keys=False))
             log = work / f"epp-{policy}.log"
-            proc = start([sys.executable, "-m", "kvroute.cli", "epp", "--config", str(config_yaml),
-                          "--grpc-port", str(grpc_port), "--log-level", "warning"], log)
+            proc = start(
+                [
+                    sys.executable,
+                    "-m",
+                    "kvroute.cli",
+                    "epp",
+                    "--config",
+                    str(config_yaml),
+                    "--grpc-port",
+                    str(grpc_port),
+                    "--log-level",
+                    "warning",
+                ],
+                log,
+            )
             admin = f"http://127.0.0.1:{http_port}"
             try:
-                wait_until_ready(lambda a=admin, g=grpc_port: answers_ok(a + "/ready") and port_open(g), proc,
-                           "kvroute epp", log)
+                wait_until_ready(
+                    lambda a=admin, g=grpc_port: answers_ok(a + "/ready") and port_open(g), proc, "kvroute epp", log
+                )
                 if policy == "kvaware":
                     block = int(fleet["models"][0].get("block_size", 16))
                     matched = warm(fleet, admin, model, prompt, args.prompt_tokens - 2 * block)
-                    notes.append(f"kvaware: before the run the index matched {matched} of the prompt's tokens "
-                                 f"on worker 0 ({worker0})")
+                    notes.append(
+                        f"kvaware: before the run the index matched {matched} of the prompt's tokens "
+                        f"on worker 0 ({worker0})"
+                    )
                 name = f"epp {policy}"
                 stats = asyncio.run(measure(name, grpc_port, body, args.requests, args.concurrency))
                 results.append((name, stats))
                 if policy == "kvaware":
-                    notes.append(f"kvaware: {stats.picks.get(worker0, 0)}/{args.requests} sequential picks went "
-                                 f"to the cached worker 0")
+                    notes.append(
+                        f"kvaware: {stats.picks.get(worker0, 0)}/{args.requests} sequential picks went "
+                        f"to the cached worker 0"
+                    )
             finally:
                 stop(proc)
     except BaseException:
@@ -318,12 +369,16 @@ def main() -> int:
     base = results[0][1]
     print(f"{'target':<18}{'p50 ms':>9}{'p99 ms':>9}{'req/s':>9}{'p50/bare':>10}{'p99/bare':>10}{'rps/bare':>10}")
     for name, s in results:
-        print(f"{name:<18}{s.p50_ms:>9.3f}{s.p99_ms:>9.3f}{s.rps:>9.0f}{s.p50_ms / base.p50_ms:>10.2f}"
-              f"{s.p99_ms / base.p99_ms:>10.2f}{s.rps / base.rps:>10.2f}")
+        print(
+            f"{name:<18}{s.p50_ms:>9.3f}{s.p99_ms:>9.3f}{s.rps:>9.0f}{s.p50_ms / base.p50_ms:>10.2f}"
+            f"{s.p99_ms / base.p99_ms:>10.2f}{s.rps / base.rps:>10.2f}"
+        )
     for note in notes:
         print(f"# {note}")
-    print(f"# p50/p99: sequential streams, open to the request_body answer; req/s: whole streams at concurrency "
-          f"{args.concurrency}")
+    print(
+        f"# p50/p99: sequential streams, open to the request_body answer; req/s: whole streams at concurrency "
+        f"{args.concurrency}"
+    )
     return 0
 
 

@@ -41,8 +41,9 @@ PROMPT_BLOCKS = 2048
 # ---- workload ------------------------------------------------------------------------------------
 
 
-def make_stream(workers: int, blocks_per_worker: int, blocks_per_event: int, events_per_batch: int,
-                seed: int = 1) -> tuple[list[tuple[str, list[bytes]]], int]:
+def make_stream(
+    workers: int, blocks_per_worker: int, blocks_per_event: int, events_per_batch: int, seed: int = 1
+) -> tuple[list[tuple[str, list[bytes]]], int]:
     """Encoded messages as vLLM sends them: sequences sharing a 64-block system prompt, then unique."""
     rng = random.Random(seed)
     system = [rng.randrange(32000) for _ in range(64 * BS)]
@@ -65,8 +66,14 @@ def make_stream(workers: int, blocks_per_worker: int, blocks_per_event: int, eve
                 pos, parent = 64, system_tail
             n = min(blocks_per_event, len(tokens) // BS - pos, blocks_per_worker - stored)
             hashes = [rng.getrandbits(64) for _ in range(n)]
-            batch.append(BlockStored(block_hashes=hashes, parent_block_hash=parent,
-                                     token_ids=tokens[pos * BS:(pos + n) * BS], block_size=BS))
+            batch.append(
+                BlockStored(
+                    block_hashes=hashes,
+                    parent_block_hash=parent,
+                    token_ids=tokens[pos * BS : (pos + n) * BS],
+                    block_size=BS,
+                )
+            )
             parent = hashes[-1]
             pos += n
             if system_tail is None and pos == 64:
@@ -94,8 +101,7 @@ def lookup_setup(workers: int, seed: int = 2) -> tuple[list[int], dict[str, int]
     """A 32k-token prompt and, per worker, how many of its leading blocks it holds."""
     rng = random.Random(seed)
     prompt = [rng.randrange(32000) for _ in range(PROMPT_BLOCKS * BS)]
-    depths = {f"w{i}": PROMPT_BLOCKS if i % 4 == 0 else rng.randrange(1, PROMPT_BLOCKS)
-              for i in range(workers)}
+    depths = {f"w{i}": PROMPT_BLOCKS if i % 4 == 0 else rng.randrange(1, PROMPT_BLOCKS) for i in range(workers)}
     return prompt, depths
 
 
@@ -104,8 +110,7 @@ def held_messages(prompt: list[int], depths: dict[str, int]) -> list[tuple[str, 
     for wid, depth in depths.items():
         rng = random.Random(wid)
         hashes = [rng.getrandbits(64) for _ in range(depth)]
-        event = BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=prompt[:depth * BS],
-                            block_size=BS)
+        event = BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=prompt[: depth * BS], block_size=BS)
         out.append((wid, [b"", encode_seq(10_000), encode_batch(time.time(), [event])]))
     return out
 
@@ -161,8 +166,7 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def ingest_ours(backend: Any, messages: list[tuple[str, list[bytes]]], workers: int,
-                      burst: int = 1) -> float:
+async def ingest_ours(backend: Any, messages: list[tuple[str, list[bytes]]], workers: int, burst: int = 1) -> float:
     """Time to handle every message; ``burst`` > 1 writes once per that many messages, as the
     subscriber does when messages are queued (it drains its socket, up to 256 at a time)."""
     indexer = KVIndexer(backend)
@@ -171,7 +175,7 @@ async def ingest_ours(backend: Any, messages: list[tuple[str, list[bytes]]], wor
     start = time.perf_counter()
     for i in range(0, len(messages), burst):
         async with indexer.batched():
-            for wid, frames in messages[i:i + burst]:
+            for wid, frames in messages[i : i + burst]:
                 await indexer.handle_message(wid, frames)
     elapsed = time.perf_counter() - start
     assert indexer.backend_ok, "the backend failed during the run"
@@ -256,8 +260,7 @@ print(json.dumps(out))
 """
 
 
-def dynamo_run(python: str, messages: list[tuple[str, list[bytes]]], workers: int,
-               rounds: int) -> dict | None:
+def dynamo_run(python: str, messages: list[tuple[str, list[bytes]]], workers: int, rounds: int) -> dict | None:
     """Run Dynamo's RadixTree on the same workload in its own interpreter."""
     ingest = []
     alias: dict[str, dict[int, int]] = {}
@@ -277,8 +280,12 @@ def dynamo_run(python: str, messages: list[tuple[str, list[bytes]]], workers: in
                 ingest.append((int(wid[1:]), parent_masked, masked, masked))
     prompt, depths = lookup_setup(workers)
     prompt_keys = [k & ((1 << 63) - 1) for k in request_keys(prompt, BS, MODEL)]
-    spec = {"ingest": ingest, "held": [(int(w[1:]), d) for w, d in depths.items()],
-            "prompt_keys": prompt_keys, "rounds": rounds}
+    spec = {
+        "ingest": ingest,
+        "held": [(int(w[1:]), d) for w, d in depths.items()],
+        "prompt_keys": prompt_keys,
+        "rounds": rounds,
+    }
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
         json.dump(spec, fh)
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as script:
@@ -303,8 +310,11 @@ def start_redis() -> tuple[subprocess.Popen[bytes], str]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    proc = subprocess.Popen(["redis-server", "--port", str(port), "--save", "", "--appendonly", "no"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     for _ in range(100):
         try:
             socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
@@ -324,8 +334,7 @@ async def flushed(url: str) -> RedisIndex:
 
 
 async def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smaller workload (a smoke run)")
     parser.add_argument("--redis-url", help="an existing Redis to use (it is FLUSHED)")
     parser.add_argument("--no-redis", action="store_true")
@@ -357,44 +366,61 @@ async def main() -> None:
                     base_runs.append(ingest_dictwalk(messages))
                     mem_runs.append(await ingest_ours(MemoryIndex(), messages, workers))
                 base_s, mem_s = min(base_runs), min(mem_runs)
-                row(f"ingest memory, {workers} workers, {shape} (blocks/s)", f"{total / mem_s:,.0f}",
-                    f"dict-walk {total / base_s:,.0f}", f"{base_s / mem_s:.2f}x")
+                row(
+                    f"ingest memory, {workers} workers, {shape} (blocks/s)",
+                    f"{total / mem_s:,.0f}",
+                    f"dict-walk {total / base_s:,.0f}",
+                    f"{base_s / mem_s:.2f}x",
+                )
                 if args.dynamo_python and bpe == 16:
                     dyn = dynamo_run(args.dynamo_python, messages, workers, 10)
                     if dyn:
-                        row(f"ingest memory vs Dynamo (keys precomputed), {workers} workers",
-                            f"{total / mem_s:,.0f}", f"dynamo {total / dyn['ingest_s']:,.0f}",
-                            f"{dyn['ingest_s'] / mem_s:.2f}x")
+                        row(
+                            f"ingest memory vs Dynamo (keys precomputed), {workers} workers",
+                            f"{total / mem_s:,.0f}",
+                            f"dynamo {total / dyn['ingest_s']:,.0f}",
+                            f"{dyn['ingest_s'] / mem_s:.2f}x",
+                        )
                 if url:
                     redis_messages, redis_total = make_stream(workers, per_worker // 4, bpe, epb)
                     for burst in (1, 64):
-                        red_s = min([await ingest_ours(await flushed(url), redis_messages, workers, burst)
-                                     for _ in range(2)])
-                        row(f"ingest redis, {workers} workers, {shape}, burst {burst} (blocks/s)",
-                            f"{redis_total / red_s:,.0f}", f"dict-walk {total / base_s:,.0f}",
-                            f"{(redis_total / red_s) / (total / base_s):.2f}x")
+                        red_s = min(
+                            [await ingest_ours(await flushed(url), redis_messages, workers, burst) for _ in range(2)]
+                        )
+                        row(
+                            f"ingest redis, {workers} workers, {shape}, burst {burst} (blocks/s)",
+                            f"{redis_total / red_s:,.0f}",
+                            f"dict-walk {total / base_s:,.0f}",
+                            f"{(redis_total / red_s) / (total / base_s):.2f}x",
+                        )
             full, keys_only, _ = await lookups_ours(MemoryIndex(), workers, rounds)
             base = lookups_dictwalk(workers, rounds)
             for label, ours in (("tokens->keys->lookup", full), ("lookup (keys given)", keys_only)):
-                row(f"memory {label}, 2048 blocks, {workers} workers p50/p99 (ms)",
-                    f"{pct(ours, .5) * 1e3:.3f}/{pct(ours, .99) * 1e3:.3f}",
-                    f"dict-walk {pct(base, .5) * 1e3:.3f}/{pct(base, .99) * 1e3:.3f}",
-                    f"{pct(ours, .5) / pct(base, .5):.2f}x")
+                row(
+                    f"memory {label}, 2048 blocks, {workers} workers p50/p99 (ms)",
+                    f"{pct(ours, 0.5) * 1e3:.3f}/{pct(ours, 0.99) * 1e3:.3f}",
+                    f"dict-walk {pct(base, 0.5) * 1e3:.3f}/{pct(base, 0.99) * 1e3:.3f}",
+                    f"{pct(ours, 0.5) / pct(base, 0.5):.2f}x",
+                )
             if args.dynamo_python:
                 dyn = dynamo_run(args.dynamo_python, [], workers, rounds)
                 if dyn:
                     d = dyn["lookup_s"]
-                    row(f"memory lookup (keys given) vs Dynamo find_matches, {workers} workers p50/p99 (ms)",
-                        f"{pct(keys_only, .5) * 1e3:.3f}/{pct(keys_only, .99) * 1e3:.3f}",
-                        f"dynamo {pct(d, .5) * 1e3:.3f}/{pct(d, .99) * 1e3:.3f}",
-                        f"{pct(keys_only, .5) / pct(d, .5):.2f}x")
+                    row(
+                        f"memory lookup (keys given) vs Dynamo find_matches, {workers} workers p50/p99 (ms)",
+                        f"{pct(keys_only, 0.5) * 1e3:.3f}/{pct(keys_only, 0.99) * 1e3:.3f}",
+                        f"dynamo {pct(d, 0.5) * 1e3:.3f}/{pct(d, 0.99) * 1e3:.3f}",
+                        f"{pct(keys_only, 0.5) / pct(d, 0.5):.2f}x",
+                    )
             if url:
                 full, keys_only, _ = await lookups_ours(await flushed(url), workers, rounds)
                 for label, ours in (("tokens->keys->lookup", full), ("lookup (keys given)", keys_only)):
-                    row(f"redis {label}, 2048 blocks, {workers} workers p50/p99 (ms)",
-                        f"{pct(ours, .5) * 1e3:.3f}/{pct(ours, .99) * 1e3:.3f}",
-                        f"dict-walk {pct(base, .5) * 1e3:.3f}/{pct(base, .99) * 1e3:.3f}",
-                        f"{pct(ours, .5) / pct(base, .5):.2f}x")
+                    row(
+                        f"redis {label}, 2048 blocks, {workers} workers p50/p99 (ms)",
+                        f"{pct(ours, 0.5) * 1e3:.3f}/{pct(ours, 0.99) * 1e3:.3f}",
+                        f"dict-walk {pct(base, 0.5) * 1e3:.3f}/{pct(base, 0.99) * 1e3:.3f}",
+                        f"{pct(ours, 0.5) / pct(base, 0.5):.2f}x",
+                    )
     finally:
         if redis_proc is not None:
             redis_proc.terminate()

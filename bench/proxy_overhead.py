@@ -27,7 +27,7 @@ import aiohttp
 
 BODY = b'{"model":"m1","prompt":"hello","max_tokens":1}'
 
-UPSTREAM = r'''
+UPSTREAM = r"""
 import sys, uvicorn
 ANSWER = (b'{"id":"cmpl-1","object":"text_completion","created":1,"model":"m1","choices":[{"index":0,'
           b'"text":" world","finish_reason":"length"}],"usage":{"prompt_tokens":1,"completion_tokens":1,'
@@ -49,12 +49,12 @@ async def app(scope, receive, send):
 
 uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), loop="uvloop", http="httptools",
             log_level="error", access_log=False, lifespan="off")
-'''
+"""
 
 
 #: The floor of any Python proxy on this stack: a raw ASGI callable forwarding with one aiohttp session
 #: (no routing, validation, metrics or policy).
-BARE = r'''
+BARE = r"""
 import sys, uvicorn, aiohttp
 UP = sys.argv[2]
 HEADERS = {"content-type": "application/json"}
@@ -79,7 +79,7 @@ async def app(scope, receive, send):
 
 uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), loop="uvloop", http="httptools",
             log_level="error", access_log=False, lifespan="off")
-'''
+"""
 
 
 def free_port() -> int:
@@ -120,6 +120,7 @@ async def load(url: str, requests: int, concurrency: int) -> Stats:
     connector = aiohttp.TCPConnector(limit=concurrency, limit_per_host=0)
     headers = {"content-type": "application/json"}
     async with aiohttp.ClientSession(connector=connector) as session:
+
         async def one() -> float:
             t0 = time.perf_counter()
             async with session.post(url + "/v1/completions", data=BODY, headers=headers) as resp:
@@ -142,14 +143,27 @@ async def load(url: str, requests: int, concurrency: int) -> Stats:
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         elapsed = time.perf_counter() - start
     latencies.sort()
-    return Stats(statistics.median(latencies) * 1e3, latencies[int(len(latencies) * 0.99) - 1] * 1e3,
-                 len(latencies) / elapsed)
+    return Stats(
+        statistics.median(latencies) * 1e3, latencies[int(len(latencies) * 0.99) - 1] * 1e3, len(latencies) / elapsed
+    )
 
 
 def start_kvroute(client: str, upstream: str) -> Target:
     port = free_port()
-    cmd = [sys.executable, "-m", "kvroute.cli", "serve", "--worker", upstream, "--port", str(port),
-           "--http-client", client, "--log-level", "error"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvroute.cli",
+        "serve",
+        "--worker",
+        upstream,
+        "--port",
+        str(port),
+        "--http-client",
+        client,
+        "--log-level",
+        "error",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_port(port, proc)
     time.sleep(0.5)  # first health probe and model discovery
@@ -167,8 +181,21 @@ def start_rust_router(name: str, command: list[str], upstream: str) -> Target:
     """vllm-router and SGLang's smg take the same basic flags (--worker-urls, --policy, --host, --port)."""
     port = free_port()
     # Both default their metrics listener to port 29000: give each its own.
-    cmd = [*command, "--worker-urls", upstream, "--policy", "round_robin", "--host", "127.0.0.1",
-           "--port", str(port), "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+    cmd = [
+        *command,
+        "--worker-urls",
+        upstream,
+        "--policy",
+        "round_robin",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--prometheus-host",
+        "127.0.0.1",
+        "--prometheus-port",
+        str(free_port()),
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_port(port, proc)
     time.sleep(1.0)
@@ -209,16 +236,21 @@ def main() -> int:
         if args.smg:
             targets.append(start_rust_router("smg", [args.smg, "launch"], up_url))
         print(f"# {os.cpu_count()} CPUs, {args.requests} requests per cell, small non-streaming completions")
-        print(f"{'target':<18}{'conc':>5}{'p50 ms':>9}{'p99 ms':>9}{'req/s':>9}{'+p50 ms':>9}{'+p99 ms':>9}"
-              f"{'rps/direct':>11}")
+        print(
+            f"{'target':<18}{'conc':>5}{'p50 ms':>9}{'p99 ms':>9}{'req/s':>9}{'+p50 ms':>9}{'+p99 ms':>9}"
+            f"{'rps/direct':>11}"
+        )
         for conc in args.concurrency:
             base: Stats | None = None
             for target in targets:
                 s = asyncio.run(load(target.url, args.requests, conc))
                 base = base or s
                 added = f"{s.p50_ms - base.p50_ms:>9.3f}{s.p99_ms - base.p99_ms:>9.3f}"
-                print(f"{target.name:<18}{conc:>5}{s.p50_ms:>9.3f}{s.p99_ms:>9.3f}{s.rps:>9.0f}{added}"
-                      f"{s.rps / base.rps:>11.2f}", flush=True)
+                print(
+                    f"{target.name:<18}{conc:>5}{s.p50_ms:>9.3f}{s.p99_ms:>9.3f}{s.rps:>9.0f}{added}"
+                    f"{s.rps / base.rps:>11.2f}",
+                    flush=True,
+                )
     finally:
         for target in targets:
             stop(target.proc)

@@ -51,6 +51,7 @@ BLOCK = 16
 
 # -- the oracle -------------------------------------------------------------------------------------
 
+
 def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
     i = 0
@@ -63,9 +64,11 @@ def oracle_cached(trace: Trace, results: Sequence[RequestResult], block: int = B
     """Best possible cached tokens over the whole replay (see the module docstring)."""
     sessions = {s.id: s for s in trace.sessions}
     first_turns: dict[str, list[int]] = {
-        s.id: encode_chat([{"role": "system", "content": s.system}, {"role": s.steps[0].role,
-                                                                      "content": s.steps[0].content}])
-        for s in trace.sessions}
+        s.id: encode_chat(
+            [{"role": "system", "content": s.system}, {"role": s.steps[0].role, "content": s.steps[0].content}]
+        )
+        for s in trace.sessions
+    }
     ok = [r for r in results if r.ok]
     by_turn = {(r.session, r.turn): r for r in ok}
     # When each request's prompt was in some cache: at its first token.
@@ -77,8 +80,14 @@ def oracle_cached(trace: Trace, results: Sequence[RequestResult], block: int = B
             tokens = first_turns.get(r.session, [])
             # Every prompt of another session starts with that session's first turn and diverges from
             # ours no later than there, so its first turn's tokens give the shared prefix.
-            shared = max((_lcp(tokens, first_turns[s]) for t, s in computed
-                          if t <= r.sent_s and s != r.session and s in sessions), default=0)
+            shared = max(
+                (
+                    _lcp(tokens, first_turns[s])
+                    for t, s in computed
+                    if t <= r.sent_s and s != r.session and s in sessions
+                ),
+                default=0,
+            )
             total += min(usable, shared // block * block)
             continue
         prev = by_turn.get((r.session, r.turn - 1))
@@ -90,6 +99,7 @@ def oracle_cached(trace: Trace, results: Sequence[RequestResult], block: int = B
 
 
 # -- one run's figures -----------------------------------------------------------------------------
+
 
 def _samples(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
     out: dict[str, list[tuple[dict[str, str], float]]] = {}
@@ -110,13 +120,21 @@ def _engine_totals(pages: dict[str, str], block: int) -> dict[str, float]:
         m = _samples(text)
         gpu += _total(m, "vllm:prefix_cache_hits_total")
         cpu += _total(m, "kvroute_sim:cpu_promoted_blocks_total") * block
-        received = [(labels, v) for labels, v in m.get("kvroute_sim:kv_transfer_blocks_total", [])
-                    if labels.get("direction") == "received"]
+        received = [
+            (labels, v)
+            for labels, v in m.get("kvroute_sim:kv_transfer_blocks_total", [])
+            if labels.get("direction") == "received"
+        ]
         remote += sum(v for _, v in received) * block
-        moved += sum(v for labels, v in m.get("kvroute_sim:kv_transfer_bytes_total", [])
-                     if labels.get("direction") == "received")
-    return {"gpu_hits_engine": gpu, "cpu_hits_engine": cpu, "remote_hits_engine": remote,
-            "gb_moved_engine": moved / 1e9}
+        moved += sum(
+            v for labels, v in m.get("kvroute_sim:kv_transfer_bytes_total", []) if labels.get("direction") == "received"
+        )
+    return {
+        "gpu_hits_engine": gpu,
+        "cpu_hits_engine": cpu,
+        "remote_hits_engine": remote,
+        "gb_moved_engine": moved / 1e9,
+    }
 
 
 def figures(run: PolicyRun, trace: Trace, time_scale: float, slo_ms: float, block: int = BLOCK) -> dict[str, Any]:
@@ -129,19 +147,24 @@ def figures(run: PolicyRun, trace: Trace, time_scale: float, slo_ms: float, bloc
     m = _samples(run.router_metrics)
     tiers = {labels.get("tier", "?"): v for labels, v in m.get("kvroute_predicted_hit_tokens_total", [])}
     return {
-        "policy": run.policy, "requests": len(results), "errors": len(results) - len(ok),
+        "policy": run.policy,
+        "requests": len(results),
+        "errors": len(results) - len(ok),
         "ttft_p50_ms": percentile(ttft_ms, 50) or float("nan"),
         "ttft_p99_ms": percentile(ttft_ms, 99) or float("nan"),
         "goodput": sum(1 for t in ttft_ms if t <= slo_ms) / len(results) if results else 0.0,
         "cached_token_ratio": cached / prompt if prompt else 0.0,
         "oracle_share": cached / oracle if oracle else 1.0,
-        "gpu_hits": tiers.get("GPU", 0.0), "cpu_hits": tiers.get("CPU", 0.0),
+        "gpu_hits": tiers.get("GPU", 0.0),
+        "cpu_hits": tiers.get("CPU", 0.0),
         "remote_hits": tiers.get("REMOTE", 0.0),
         "gb_moved": _total(m, "kvroute_estimated_kv_bytes_moved_total") / 1e9,
         **_engine_totals(run.worker_metrics, block),
         "stale": _total(m, "kvroute_stale_decisions_total"),
         "checked": _total(m, "kvroute_checked_decisions_total"),
-        "prompt_tokens": prompt, "cached_tokens": cached, "recomputed": prompt - cached,
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "recomputed": prompt - cached,
     }
 
 
@@ -177,8 +200,10 @@ COLUMNS: tuple[tuple[str, Callable[[dict[str, Any]], str]], ...] = (
 
 def markdown(rows: list[dict[str, Any]], baselines: dict[str, str]) -> str:
     """A markdown table, with each policy's TTFT p50 and p99 as a ratio of the named baseline's."""
-    lines = ["| " + " | ".join(t for t, _ in COLUMNS) + " | p50 / p99 vs " + " / ".join(baselines.values()) + " |",
-             "|" + "---|" * (len(COLUMNS) + 1)]
+    lines = [
+        "| " + " | ".join(t for t, _ in COLUMNS) + " | p50 / p99 vs " + " / ".join(baselines.values()) + " |",
+        "|" + "---|" * (len(COLUMNS) + 1),
+    ]
     refs = {name: next((r for r in rows if r["policy"] == name), None) for name in baselines.values()}
     for r in rows:
         cells = [cell(r) for _, cell in COLUMNS]
@@ -194,6 +219,7 @@ def markdown(rows: list[dict[str, Any]], baselines: dict[str, str]) -> str:
 
 # -- main ---------------------------------------------------------------------------------------------
 
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workers", type=int, default=8)
@@ -208,11 +234,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slo-ms", type=float, default=1000.0, help="TTFT SLO for goodput (simulated ms)")
     ap.add_argument("--arrival-rate", type=float, default=2.0, help="agentic sessions started per second")
     ap.add_argument("--steps", default="4,8", help="agentic steps per session: min,max")
-    ap.add_argument("--kv-protocol", choices=("none", "p2p"), default="p2p",
-                    help="the pool's KV-transfer protocol: p2p lets a policy name a remote_kv_source peer")
-    ap.add_argument("--gpu-blocks", type=int, default=2000,
-                    help="GPU KV blocks per worker (0: the preset's); the default is small enough that "
-                         "sessions spill to the CPU tier")
+    ap.add_argument(
+        "--kv-protocol",
+        choices=("none", "p2p"),
+        default="p2p",
+        help="the pool's KV-transfer protocol: p2p lets a policy name a remote_kv_source peer",
+    )
+    ap.add_argument(
+        "--gpu-blocks",
+        type=int,
+        default=2000,
+        help="GPU KV blocks per worker (0: the preset's); the default is small enough that "
+        "sessions spill to the CPU tier",
+    )
     ap.add_argument("--cpu-blocks", type=int, default=30000, help="CPU-tier blocks per worker (0 = none)")
     ap.add_argument("--out", default="out/bench-routing")
     args = ap.parse_args(argv)
@@ -225,26 +259,35 @@ def main(argv: list[str] | None = None) -> int:
         "agentic": agentic_trace(args.seed, sessions=args.sessions, steps=steps, arrival_rate=args.arrival_rate),
         "chat": chat_trace(args.seed, sessions=args.chat_sessions, turns=(1, 2), arrival_rate=4.0),
     }
-    fleet = FleetSpec(workers=args.workers, preset=args.preset, time_scale=args.time_scale,
-                      gpu_blocks=args.gpu_blocks or None, cpu_blocks=args.cpu_blocks)
+    fleet = FleetSpec(
+        workers=args.workers,
+        preset=args.preset,
+        time_scale=args.time_scale,
+        gpu_blocks=args.gpu_blocks or None,
+        cpu_blocks=args.cpu_blocks,
+    )
     router_config = {"pool": {"kv_protocol": args.kv_protocol}}
     block = get_preset(args.preset).block_size
-    setting = (f"{args.workers} x {args.preset}, pool {args.kv_protocol}, "
-               f"GPU blocks {args.gpu_blocks or get_preset(args.preset).gpu_blocks}, "
-               f"CPU blocks {args.cpu_blocks or 0}")
+    setting = (
+        f"{args.workers} x {args.preset}, pool {args.kv_protocol}, "
+        f"GPU blocks {args.gpu_blocks or get_preset(args.preset).gpu_blocks}, "
+        f"CPU blocks {args.cpu_blocks or 0}"
+    )
     policies = [p for p in args.policies.split(",") if p]
     report: dict[str, Any] = {"command": " ".join(sys.argv), "setting": setting, "tables": {}}
     began = time.monotonic()
     for kind in args.traces.split(","):
         trace = traces[kind]
-        print(f"\n{kind}: {len(trace.sessions)} sessions, {trace.n_requests} requests, {setting}, "
-              f"time scale {args.time_scale}, {args.repeats} run(s) per policy", flush=True)
+        print(
+            f"\n{kind}: {len(trace.sessions)} sessions, {trace.n_requests} requests, {setting}, "
+            f"time scale {args.time_scale}, {args.repeats} run(s) per policy",
+            flush=True,
+        )
         per_policy: dict[str, list[dict[str, Any]]] = {p: [] for p in policies}
         for rep in range(args.repeats):
             for policy in policies:  # interleaved, so machine noise spreads over every policy alike
                 progress = Progress(f"{policy}#{rep + 1}", trace.n_requests)
-                run = run_policy(policy, trace, fleet, workdir=logs, router_config=router_config,
-                                 on_result=progress)
+                run = run_policy(policy, trace, fleet, workdir=logs, router_config=router_config, on_result=progress)
                 progress.finish()
                 per_policy[policy].append(figures(run, trace, args.time_scale, args.slo_ms, block))
         rows = [median_row(per_policy[p]) for p in policies]
@@ -253,8 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n## {kind}: medians of {args.repeats} run(s), goodput = TTFT ≤ {args.slo_ms:.0f} ms\n{text}")
         report["tables"][kind] = rows
         report.setdefault("runs", {})[kind] = per_policy
-        png = chart(rows, out / f"routing-{kind}.png",
-                    f"{kind} trace: {setting}, medians of {args.repeats} run(s)")
+        png = chart(rows, out / f"routing-{kind}.png", f"{kind} trace: {setting}, medians of {args.repeats} run(s)")
         if png:
             print(f"chart: {png}")
         print(f"elapsed {time.monotonic() - began:.0f} s", flush=True)

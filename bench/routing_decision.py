@@ -29,8 +29,10 @@ def bench_policies(n_workers: int, prompt_tokens: int, iters: int) -> None:
     rng = random.Random(1)
     block = 16
     blocks = prompt_tokens // block
-    workers = [WorkerView(id=f"w{i}", inflight=rng.randint(0, 8), kv_usage=rng.random(),
-                          p2p_host=f"10.0.0.{i}", p2p_port=5710) for i in range(n_workers)]
+    workers = [
+        WorkerView(id=f"w{i}", inflight=rng.randint(0, 8), kv_usage=rng.random(), p2p_host=f"10.0.0.{i}", p2p_port=5710)
+        for i in range(n_workers)
+    ]
     matches = {}
     for w in workers[: n_workers // 2]:
         held = rng.randint(1, blocks)
@@ -39,14 +41,26 @@ def bench_policies(n_workers: int, prompt_tokens: int, iters: int) -> None:
     words = [f"tok{i % 997}" for i in range(prompt_tokens)]
     text = " ".join(words)
     results: dict[str, tuple[float, float]] = {}
-    for name, options in (("round_robin", {}), ("least_load", {}), ("prefix", {}), ("approx_text", {}),
-                          ("kvaware", {}), ("kvaware", {"kv_protocol": "p2p"})):
+    for name, options in (
+        ("round_robin", {}),
+        ("least_load", {}),
+        ("prefix", {}),
+        ("approx_text", {}),
+        ("kvaware", {}),
+        ("kvaware", {"kv_protocol": "p2p"}),
+    ):
         policy = create_policy(name, **options)
         label = name + ("+p2p" if options else "")
         samples = []
         for i in range(iters):
-            req = RouteRequest(request_id=str(i), model="m", prompt_tokens=prompt_tokens, block_size=block,
-                               matches=matches, prompt_text=text + str(i % 8))
+            req = RouteRequest(
+                request_id=str(i),
+                model="m",
+                prompt_tokens=prompt_tokens,
+                block_size=block,
+                matches=matches,
+                prompt_text=text + str(i % 8),
+            )
             t0 = time.perf_counter()
             policy.choose(req, workers)
             samples.append((time.perf_counter() - t0) * 1e6)
@@ -91,8 +105,7 @@ def bench_tokenizer(turns: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, nargs="+", default=[8, 32])
     parser.add_argument("--prompt-tokens", type=int, default=32768)
     parser.add_argument("--iters", type=int, default=300)

@@ -72,7 +72,7 @@ def agentic_trace(rng: random.Random, sessions: int, turns: int) -> list[Req]:
             parts += [("user", s, turn, i) for i in range(rng.randint(16, 48))]  # tool output / question
             answer = [("answer", s, turn, i) for i in range(rng.randint(8, 24))]
             keys = chain(parts)
-            out.append(Req(t, keys, " ".join(map(str, parts)), chain(parts + answer)[len(keys):], s))
+            out.append(Req(t, keys, " ".join(map(str, parts)), chain(parts + answer)[len(keys) :], s))
             parts += answer
             t += rng.expovariate(1 / 6.0)
     return sorted(out, key=lambda r: r.arrival)
@@ -130,8 +130,7 @@ class Fleet:
             n = len(w.finishes)
             used = min(1.0, sum(b for _, b in w.finishes) / w.gpu_cap)
             # The router's own in-flight count only (WorkerView.load adds scraped waiting to it).
-            out.append(WorkerView(id=w.id, inflight=n, kv_usage=used, p2p_host=f"10.0.0.{w.id[1:]}",
-                                  p2p_port=5710))
+            out.append(WorkerView(id=w.id, inflight=n, kv_usage=used, p2p_host=f"10.0.0.{w.id[1:]}", p2p_port=5710))
         return out
 
     @staticmethod
@@ -192,8 +191,9 @@ def oracle_choice(fleet: Fleet, req: Req, now: float) -> tuple[str, str | None]:
     return best[1], best[2]
 
 
-def run(policy_name: str, options: dict[str, Any], trace: list[Req], n: int, gpu_cap: int, cpu_cap: int,
-        slo: float) -> dict[str, Any]:
+def run(
+    policy_name: str, options: dict[str, Any], trace: list[Req], n: int, gpu_cap: int, cpu_cap: int, slo: float
+) -> dict[str, Any]:
     fleet = Fleet(n, gpu_cap, cpu_cap)
     clock = [0.0]
     if policy_name.startswith("kvaware"):
@@ -213,9 +213,14 @@ def run(policy_name: str, options: dict[str, Any], trace: list[Req], n: int, gpu
             predicted = 0
             plan = None
         else:
-            rr = RouteRequest(request_id=str(i), model="m", prompt_tokens=len(req.keys) * BLOCK,
-                              block_size=BLOCK, matches=fleet.matches(req.keys) if policy.needs_index else {},
-                              prompt_text=req.text if policy.needs_text else None)
+            rr = RouteRequest(
+                request_id=str(i),
+                model="m",
+                prompt_tokens=len(req.keys) * BLOCK,
+                block_size=BLOCK,
+                matches=fleet.matches(req.keys) if policy.needs_index else {},
+                prompt_text=req.text if policy.needs_text else None,
+            )
             plan = policy.choose(rr, views)
             pid, sid, predicted = plan.prefill, plan.kv_source, plan.predicted_cached_tokens
         p = fleet.workers[pid]
@@ -238,34 +243,49 @@ def run(policy_name: str, options: dict[str, Any], trace: list[Req], n: int, gpu
             outcome = RouteOutcome(str(i), "m", plan, len(req.keys) * BLOCK, cached, ttft)
             heapq.heappush(outcomes, (end, i, outcome))
     ttfts.sort()
-    return {"p50": statistics.median(ttfts), "p99": ttfts[int(0.99 * (len(ttfts) - 1))],
-            "goodput": sum(t <= slo for t in ttfts) / len(ttfts), "cached": cached_total, "tiers": tiers,
-            "moved_gb": moved / 1e9, "stale": stale, "recomputed": recomputed, "n": len(trace)}
+    return {
+        "p50": statistics.median(ttfts),
+        "p99": ttfts[int(0.99 * (len(ttfts) - 1))],
+        "goodput": sum(t <= slo for t in ttfts) / len(ttfts),
+        "cached": cached_total,
+        "tiers": tiers,
+        "moved_gb": moved / 1e9,
+        "stale": stale,
+        "recomputed": recomputed,
+        "n": len(trace),
+    }
 
 
 POLICIES: list[tuple[str, str, dict[str, Any]]] = [
-    ("round_robin", "round_robin", {}), ("least_load", "least_load", {}), ("prefix", "prefix", {}),
-    ("approx_text", "approx_text", {}), ("kvaware", "kvaware", {}),
-    ("kvaware+p2p", "kvaware", {"kv_protocol": "p2p"}), ("oracle", "oracle", {}),
+    ("round_robin", "round_robin", {}),
+    ("least_load", "least_load", {}),
+    ("prefix", "prefix", {}),
+    ("approx_text", "approx_text", {}),
+    ("kvaware", "kvaware", {}),
+    ("kvaware+p2p", "kvaware", {"kv_protocol": "p2p"}),
+    ("oracle", "oracle", {}),
 ]
 
 
 def report(title: str, results: dict[str, dict[str, Any]], slo: float) -> None:
     oracle = results["oracle"]["cached"] or 1
     print(f"\n## {title}")
-    print(f"| policy | TTFT p50 s | TTFT p99 s | goodput (TTFT ≤ {slo:g} s) | cached ÷ oracle "
-          "| GPU / CPU / REMOTE hit tokens | GB moved | stale | recomputed tokens |")
+    print(
+        f"| policy | TTFT p50 s | TTFT p99 s | goodput (TTFT ≤ {slo:g} s) | cached ÷ oracle "
+        "| GPU / CPU / REMOTE hit tokens | GB moved | stale | recomputed tokens |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
         t = r["tiers"]
-        print(f"| {name} | {r['p50']:.3f} | {r['p99']:.3f} | {r['goodput']:.1%} | {r['cached'] / oracle:.1%} "
-              f"| {t['GPU']} / {t['CPU']} / {t['REMOTE']} | {r['moved_gb']:.1f} | {r['stale']} "
-              f"| {r['recomputed']} |")
+        print(
+            f"| {name} | {r['p50']:.3f} | {r['p99']:.3f} | {r['goodput']:.1%} | {r['cached'] / oracle:.1%} "
+            f"| {t['GPU']} / {t['CPU']} / {t['REMOTE']} | {r['moved_gb']:.1f} | {r['stale']} "
+            f"| {r['recomputed']} |"
+        )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--sessions", type=int, default=96)
     parser.add_argument("--turns", type=int, default=10)
@@ -280,8 +300,10 @@ def main() -> None:
         "plain chat": (chat_trace(random.Random(args.seed), args.chat_requests, args.chat_rate), 0.5),
     }
     for title, (trace, slo) in traces.items():
-        results = {label: run(name, opts, trace, args.workers, args.gpu_blocks, args.cpu_blocks, slo)
-                   for label, name, opts in POLICIES}
+        results = {
+            label: run(name, opts, trace, args.workers, args.gpu_blocks, args.cpu_blocks, slo)
+            for label, name, opts in POLICIES
+        }
         report(f"{title}: {len(trace)} requests, {args.workers} workers, seed {args.seed}", results, slo)
 
 

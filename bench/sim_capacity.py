@@ -35,7 +35,7 @@ def _prompt(i: int, shared: int) -> str:
     return system + " " + " ".join(f"u{i}-{k}" for k in range(PROMPT_WORDS - shared))
 
 
-BASELINE_APP = r'''
+BASELINE_APP = r"""
 import orjson, sys, uvicorn
 from starlette.applications import Starlette
 from starlette.responses import Response
@@ -55,7 +55,7 @@ async def main():
                                              access_log=False, lifespan="off")) for p in ports]
     await asyncio.gather(*(s.serve() for s in servers))
 asyncio.run(main())
-'''
+"""
 
 
 async def _wait_http(url: str, timeout: float = 30.0) -> None:
@@ -71,14 +71,14 @@ async def _wait_http(url: str, timeout: float = 30.0) -> None:
     raise RuntimeError(f"{url} did not come up")
 
 
-async def _load(urls: list[str], concurrency: int, seconds: float, shared: int,
-                max_tokens: int) -> tuple[float, int]:
+async def _load(urls: list[str], concurrency: int, seconds: float, shared: int, max_tokens: int) -> tuple[float, int]:
     """Closed loop: ``concurrency`` clients, round-robin over workers; returns (requests/s, errors)."""
     done = 0
     errors = 0
     stop = time.perf_counter() + seconds
     connector = aiohttp.TCPConnector(limit=concurrency * 2)
     async with aiohttp.ClientSession(connector=connector) as session:
+
         async def client(c: int) -> None:
             nonlocal done, errors
             i = c
@@ -102,12 +102,28 @@ def _free_base() -> int:
     return 20000 + (os.getpid() % 200) * 100
 
 
-def _run_sim(workers: int, base: int, preset: str,
-             time_scale: float) -> tuple[subprocess.Popen[bytes], list[str]]:
+def _run_sim(workers: int, base: int, preset: str, time_scale: float) -> tuple[subprocess.Popen[bytes], list[str]]:
     cfg = Path(tempfile.mkdtemp()) / "sim.yaml"
-    proc = subprocess.Popen([sys.executable, "-m", "kvroute.cli", "sim", "--workers", str(workers),
-                             "--preset", preset, "--time-scale", str(time_scale), "--base-port", str(base),
-                             "--config-out", str(cfg)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvroute.cli",
+            "sim",
+            "--workers",
+            str(workers),
+            "--preset",
+            preset,
+            "--time-scale",
+            str(time_scale),
+            "--base-port",
+            str(base),
+            "--config-out",
+            str(cfg),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     deadline = time.monotonic() + 30
     while not cfg.exists() and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -182,35 +198,50 @@ def main() -> None:
     ap.add_argument("--shared-prefix", type=int, default=800, help="prompt words shared by all requests")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--prefill-check", action="store_true", help="measure prefill rates at time scale 1")
-    ap.add_argument("--affinity-check", action="store_true",
-                    help="agentic trace, sticky vs round-robin dispatch: does the twin reward affinity?")
+    ap.add_argument(
+        "--affinity-check",
+        action="store_true",
+        help="agentic trace, sticky vs round-robin dispatch: does the twin reward affinity?",
+    )
     args = ap.parse_args()
     if args.affinity_check:
         n = args.workers[0]
-        print(f"# affinity check: agentic trace (12 sessions, 8-16 steps), {n} workers, llama-8b-h100, "
-              f"time scale {args.time_scale}; TTFT in model seconds (real / scale)")
+        print(
+            f"# affinity check: agentic trace (12 sessions, 8-16 steps), {n} workers, llama-8b-h100, "
+            f"time scale {args.time_scale}; TTFT in model seconds (real / scale)"
+        )
         results = asyncio.run(_affinity_check(n, args.time_scale, 0))
         print(f"{'dispatch':>12} {'requests':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'cached ratio':>13}")
         s = args.time_scale
         for name, summary in results:
-            print(f"{name:>12} {summary['requests']:>9} {summary['ttft_p50_s'] / s:>9.3f} "  # type: ignore[operator]
-                  f"{summary['ttft_p99_s'] / s:>9.3f} {summary['cached_token_ratio']:>13.3f}")  # type: ignore[operator]
+            print(
+                f"{name:>12} {summary['requests']:>9} {summary['ttft_p50_s'] / s:>9.3f} "  # type: ignore[operator]
+                f"{summary['ttft_p99_s'] / s:>9.3f} {summary['cached_token_ratio']:>13.3f}"
+            )  # type: ignore[operator]
         rr, sticky = results[0][1], results[1][1]
-        print(f"# sticky / round-robin TTFT p50: {sticky['ttft_p50_s'] / rr['ttft_p50_s']:.2f}, "  # type: ignore[operator]
-              f"p99: {sticky['ttft_p99_s'] / rr['ttft_p99_s']:.2f}")  # type: ignore[operator]
+        print(
+            f"# sticky / round-robin TTFT p50: {sticky['ttft_p50_s'] / rr['ttft_p50_s']:.2f}, "  # type: ignore[operator]
+            f"p99: {sticky['ttft_p99_s'] / rr['ttft_p99_s']:.2f}"
+        )  # type: ignore[operator]
         return
     if args.prefill_check:
         print("# prefill check: uncached 2048-token prompts, time scale 1, median of 7 TTFTs")
-        print(f"{'preset':>16} {'nominal tok/s':>14} {'model tok/s':>12} {'measured tok/s':>15} "
-              f"{'measured/model':>15} {'measured/nominal':>17}")
+        print(
+            f"{'preset':>16} {'nominal tok/s':>14} {'model tok/s':>12} {'measured tok/s':>15} "
+            f"{'measured/model':>15} {'measured/nominal':>17}"
+        )
         for name in ("llama-8b-h100", "qwen-32b-h100x2"):
             measured, model, nominal = asyncio.run(_prefill_check(name, 2048, 7))
-            print(f"{name:>16} {nominal:>14.0f} {model:>12.0f} {measured:>15.0f} {measured / model:>15.3f} "
-                  f"{measured / nominal:>17.3f}")
+            print(
+                f"{name:>16} {nominal:>14.0f} {model:>12.0f} {measured:>15.0f} {measured / model:>15.3f} "
+                f"{measured / nominal:>17.3f}"
+            )
         return
-    print(f"# sim capacity: {PROMPT_WORDS}-token prompts ({args.shared_prefix} shared), max_tokens "
-          f"{args.max_tokens}, concurrency {args.concurrency}, {args.seconds}s, preset {args.preset}, "
-          f"time scale {args.time_scale}, {os.cpu_count()} CPUs")
+    print(
+        f"# sim capacity: {PROMPT_WORDS}-token prompts ({args.shared_prefix} shared), max_tokens "
+        f"{args.max_tokens}, concurrency {args.concurrency}, {args.seconds}s, preset {args.preset}, "
+        f"time scale {args.time_scale}, {os.cpu_count()} CPUs"
+    )
     print(f"{'workers':>8} {'baseline rps':>13} {'sim rps':>9} {'sim/baseline':>13} {'errors':>7}")
     for n in args.workers:
         base = _free_base()
@@ -219,15 +250,13 @@ def main() -> None:
         try:
             burls = [f"http://127.0.0.1:{p}" for p in ports]
             asyncio.run(_wait_http(burls[-1]))
-            baseline, _ = asyncio.run(_load(burls, args.concurrency, args.seconds, args.shared_prefix,
-                                            args.max_tokens))
+            baseline, _ = asyncio.run(_load(burls, args.concurrency, args.seconds, args.shared_prefix, args.max_tokens))
         finally:
             _stop(bproc)
         proc, urls = _run_sim(n, base + 1, args.preset, args.time_scale)
         try:
             asyncio.run(_wait_http(urls[-1]))
-            sim, errors = asyncio.run(_load(urls, args.concurrency, args.seconds, args.shared_prefix,
-                                            args.max_tokens))
+            sim, errors = asyncio.run(_load(urls, args.concurrency, args.seconds, args.shared_prefix, args.max_tokens))
         finally:
             _stop(proc)
         print(f"{n:>8} {baseline:>13.0f} {sim:>9.0f} {sim / baseline:>13.2f} {errors:>7}", flush=True)

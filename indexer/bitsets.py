@@ -8,6 +8,7 @@ from kvroute.indexer.tiers import Tier
 
 _GPU, _CPU = int(Tier.GPU), int(Tier.CPU)
 
+
 def add_bits(table: dict[int, int], keys: list[int], bit: int) -> None:
     """``table[key] |= bit`` for every key; C-level dict updates for the keys not there yet."""
     get = table.get

@@ -38,8 +38,14 @@ def backend_from_config(index_cfg: Any) -> IndexBackend:
 
 def spec_for(worker: Any, model: str) -> WorkerSpec:
     """A ``WorkerConfig`` as the subscriber needs it."""
-    return WorkerSpec(worker.worker_id, model, endpoint=worker.kv_events, topic=worker.kv_events_topic,
-                      replay=worker.replay, dp_size=worker.dp_size)
+    return WorkerSpec(
+        worker.worker_id,
+        model,
+        endpoint=worker.kv_events,
+        topic=worker.kv_events_topic,
+        replay=worker.replay,
+        dp_size=worker.dp_size,
+    )
 
 
 async def discover_model(url: str, timeout_s: float = 2.0) -> str | None:
@@ -56,8 +62,9 @@ async def discover_model(url: str, timeout_s: float = 2.0) -> str | None:
         return None
 
 
-def build_from_config(config: Any, backend: IndexBackend | None = None,
-                      subscribe: bool | None = None) -> tuple[KVIndexer, EventSubscriber | None]:
+def build_from_config(
+    config: Any, backend: IndexBackend | None = None, subscribe: bool | None = None
+) -> tuple[KVIndexer, EventSubscriber | None]:
     """The indexer and its subscriber for a ``RouterConfig`` (workers with a known model added now).
 
     ``subscribe`` defaults to ``config.index.subscribe``; without it the indexer only reads a shared
@@ -71,12 +78,16 @@ def build_from_config(config: Any, backend: IndexBackend | None = None,
     if not (index_cfg.subscribe if subscribe is None else subscribe):
         return indexer, None
     refresh = index_cfg.block_ttl_s / 3 if index_cfg.backend == "redis" and index_cfg.block_ttl_s else None
-    subscriber = EventSubscriber(indexer, bind=index_cfg.events_bind, grace_s=index_cfg.worker_gone_grace_s,
-                                 refresh_s=refresh)
+    subscriber = EventSubscriber(
+        indexer, bind=index_cfg.events_bind, grace_s=index_cfg.worker_gone_grace_s, refresh_s=refresh
+    )
     for worker in config.workers:
         if worker.kv_events is None and not index_cfg.events_bind:
-            log.warning("worker %s has no kv_events endpoint and index.events_bind is not set: "
-                        "its KV events cannot be received", worker.worker_id)
+            log.warning(
+                "worker %s has no kv_events endpoint and index.events_bind is not set: "
+                "its KV events cannot be received",
+                worker.worker_id,
+            )
             continue
         if worker.models:
             subscriber.add_worker(spec_for(worker, worker.models[0]))
@@ -99,19 +110,27 @@ async def add_discovered_workers(config: Any, subscriber: EventSubscriber) -> No
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
-        "indexer", help="consume KV events into a shared Redis index (for many router replicas)",
+        "indexer",
+        help="consume KV events into a shared Redis index (for many router replicas)",
         description="Subscribe to every configured worker's KV events and keep the prefix index in Redis, "
-                    "where router replicas (index.backend: redis, index.subscribe: false) read it.")
+        "where router replicas (index.backend: redis, index.subscribe: false) read it.",
+    )
     parser.add_argument("--config", metavar="FILE", help="YAML config file (default: $KVROUTE_CONFIG)")
     parser.add_argument("--redis-url", help="Redis URL (default: index.redis_url)")
     parser.add_argument("--redis-prefix", help="key prefix (default: index.redis_prefix)")
-    parser.add_argument("--backend", choices=["redis", "memory"], default="redis",
-                        help="memory is for trying things out: nobody else can read it")
-    parser.add_argument("--bind", metavar="ENDPOINT",
-                        help="bind one SUB socket here for workers that connect (index.events_bind)")
+    parser.add_argument(
+        "--backend",
+        choices=["redis", "memory"],
+        default="redis",
+        help="memory is for trying things out: nobody else can read it",
+    )
+    parser.add_argument(
+        "--bind", metavar="ENDPOINT", help="bind one SUB socket here for workers that connect (index.events_bind)"
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address of the metrics/admin port")
-    parser.add_argument("--port", type=int, default=0,
-                        help="serve /metrics, /health and /admin/ (index inspection) here; 0 = off")
+    parser.add_argument(
+        "--port", type=int, default=0, help="serve /metrics, /health and /admin/ (index inspection) here; 0 = off"
+    )
     parser.add_argument("--admin-token", help="bearer token for /admin/index (default: admin_token)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.set_defaults(func=run)
@@ -121,15 +140,22 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     from kvroute.router.config import ConfigError, load_config
 
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    index_over = {k: v for k, v in {"backend": args.backend, "redis_url": args.redis_url,
-                                    "redis_prefix": args.redis_prefix, "events_bind": args.bind}.items()
-                  if v is not None}
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    index_over = {
+        k: v
+        for k, v in {
+            "backend": args.backend,
+            "redis_url": args.redis_url,
+            "redis_prefix": args.redis_prefix,
+            "events_bind": args.bind,
+        }.items()
+        if v is not None
+    }
     try:
         base = load_config(args.config)
-        config = load_config(args.config, {"index": {**base.index.model_dump(), **index_over},
-                                           "admin_token": args.admin_token})
+        config = load_config(
+            args.config, {"index": {**base.index.model_dump(), **index_over}, "admin_token": args.admin_token}
+        )
     except ConfigError as exc:
         print(f"kvroute indexer: {exc}", file=sys.stderr)
         return 2
@@ -155,8 +181,10 @@ async def _serve(config: Any, host: str, port: int) -> int:
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
     if not await indexer.backend.ping():
-        log.error("index backend %s is not reachable yet: events are kept locally and written once it is",
-                  indexer.backend.name)
+        log.error(
+            "index backend %s is not reachable yet: events are kept locally and written once it is",
+            indexer.backend.name,
+        )
         indexer.mark_backend_down("not reachable at start")
     await subscriber.start()
     if subscriber.bound_endpoint:

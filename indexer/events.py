@@ -182,9 +182,7 @@ def _event(raw: Any) -> KVEvent | None:
         names = STORED_FIELDS if kind == "BlockStored" else REMOVED_FIELDS
         fields = dict(zip(names, raw[1:], strict=False))
     else:
-        raise EventDecodeError(
-            "bad_event", f"event must be a map or a tagged array, got {type(raw).__name__}"
-        )
+        raise EventDecodeError("bad_event", f"event must be a map or a tagged array, got {type(raw).__name__}")
     if kind == "BlockStored":
         return _stored(fields)
     if kind == "BlockRemoved":
@@ -265,9 +263,7 @@ def _event_fields(event: KVEvent) -> tuple[str, list[tuple[str, Any]]]:
     return "AllBlocksCleared", []
 
 
-def encode_batch(
-    ts: float, events: Sequence[KVEvent], dp_rank: int = 0, *, form: EventForm = "map"
-) -> bytes:
+def encode_batch(ts: float, events: Sequence[KVEvent], dp_rank: int = 0, *, form: EventForm = "map") -> bytes:
     """Encode a batch exactly as vLLM publishes it (map form by default, array form for old engines)."""
     encoded: list[Any] = []
     for event in events:

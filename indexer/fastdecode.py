@@ -77,9 +77,7 @@ class _ClearedArray(msgspec.Struct, tag="AllBlocksCleared", array_like=True, gc=
 
 
 _map_decoder = msgspec.msgpack.Decoder(tuple[float, list[_StoredMap | _RemovedMap | _ClearedMap], int | None])
-_array_decoder = msgspec.msgpack.Decoder(
-    tuple[float, list[_StoredArray | _RemovedArray | _ClearedArray], int | None]
-)
+_array_decoder = msgspec.msgpack.Decoder(tuple[float, list[_StoredArray | _RemovedArray | _ClearedArray], int | None])
 
 
 def _convert(raw: Any) -> KVEvent | None:
@@ -93,16 +91,26 @@ def _convert(raw: Any) -> KVEvent | None:
         if size and tokens and len(tokens) > len(hashes) * size:
             return None
         return BlockStored(
-            block_hashes=hashes, parent_block_hash=raw.parent_block_hash, token_ids=tokens, block_size=size,
-            lora_id=raw.lora_id, medium=(raw.medium or "GPU").upper(), lora_name=raw.lora_name,
-            extra_keys=raw.extra_keys, group_idx=raw.group_idx or 0,
+            block_hashes=hashes,
+            parent_block_hash=raw.parent_block_hash,
+            token_ids=tokens,
+            block_size=size,
+            lora_id=raw.lora_id,
+            medium=(raw.medium or "GPU").upper(),
+            lora_name=raw.lora_name,
+            extra_keys=raw.extra_keys,
+            group_idx=raw.group_idx or 0,
             locality=(raw.locality or "LOCAL").upper(),
         )
     if isinstance(raw, _RemovedMap | _RemovedArray):
         if len(raw.block_hashes) > MAX_BLOCKS_PER_EVENT:
             return None
-        return BlockRemoved(block_hashes=raw.block_hashes, medium=(raw.medium or "GPU").upper(),
-                            group_idx=raw.group_idx or 0, locality=(raw.locality or "LOCAL").upper())
+        return BlockRemoved(
+            block_hashes=raw.block_hashes,
+            medium=(raw.medium or "GPU").upper(),
+            group_idx=raw.group_idx or 0,
+            locality=(raw.locality or "LOCAL").upper(),
+        )
     return AllBlocksCleared()
 
 

@@ -60,8 +60,9 @@ class ModelInfo:
 
     __slots__ = ("block_size", "name", "next_ask", "on_learn", "published", "root")
 
-    def __init__(self, name: str, block_size: int | None = None,
-                 on_learn: Callable[[str, int], None] | None = None) -> None:
+    def __init__(
+        self, name: str, block_size: int | None = None, on_learn: Callable[[str, int], None] | None = None
+    ) -> None:
         self.name = name
         self.root = root_key(name)
         self.block_size = block_size
@@ -109,8 +110,9 @@ def _store(state: EntityState, model: ModelInfo, event: BlockStored, out: BatchR
             return None
         parent = found
     try:
-        keys = chain_keys(event.token_ids, event.block_size, parent, _extras(event, len(hashes)),
-                          max_blocks=len(hashes))
+        keys = chain_keys(
+            event.token_ids, event.block_size, parent, _extras(event, len(hashes)), max_blocks=len(hashes)
+        )
     except (OverflowError, TypeError, ValueError):
         _bump(out.dropped, "bad_tokens")
         return None
@@ -208,8 +210,11 @@ def translate(state: EntityState, model: ModelInfo, batch: EventBatch) -> BatchR
     for name, count in (("BlockStored", stored), ("BlockRemoved", removed), ("AllBlocksCleared", cleared)):
         if count:
             out.received[name] = count
-    for name, count in (("BlockStored", applied_stored), ("BlockRemoved", applied_removed),
-                        ("AllBlocksCleared", cleared)):
+    for name, count in (
+        ("BlockStored", applied_stored),
+        ("BlockRemoved", applied_removed),
+        ("AllBlocksCleared", cleared),
+    ):
         if count:
             out.applied[name] = count
     return out

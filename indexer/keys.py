@@ -47,8 +47,9 @@ def extra_bytes(extra: Any) -> bytes:
     return msgspec.msgpack.encode(list(extra))
 
 
-def request_extra_keys(num_blocks: int, *, lora_name: str | None = None,
-                       cache_salt: str | None = None) -> list[list[Any] | None] | None:
+def request_extra_keys(
+    num_blocks: int, *, lora_name: str | None = None, cache_salt: str | None = None
+) -> list[list[Any] | None] | None:
     """Per-block extra keys of a request, placed exactly as vLLM places them in its events."""
     if not lora_name and not cache_salt:
         return None
@@ -63,8 +64,14 @@ def request_extra_keys(num_blocks: int, *, lora_name: str | None = None,
     return extras
 
 
-def chain_keys(tokens: Sequence[int], block_size: int, parent: int,
-               extra_keys: Sequence[Any] | None = None, *, max_blocks: int | None = None) -> list[int]:
+def chain_keys(
+    tokens: Sequence[int],
+    block_size: int,
+    parent: int,
+    extra_keys: Sequence[Any] | None = None,
+    *,
+    max_blocks: int | None = None,
+) -> list[int]:
     """Keys of the full blocks of ``tokens`` chained from ``parent`` (a partial last block is ignored)."""
     if block_size <= 0:
         raise ValueError("block_size must be positive")
@@ -85,19 +92,20 @@ def chain_keys(tokens: Sequence[int], block_size: int, parent: int,
     # The previous key is the seed of the next block's hash: no per-block byte concatenation.
     if extra_keys is None:
         for offset in range(0, size * 4, step):
-            key = _hash(data[offset:offset + step], key)
+            key = _hash(data[offset : offset + step], key)
             append(key)
     else:
         for i, offset in enumerate(range(0, size * 4, step)):
             extra = extra_bytes(extra_keys[i]) if i < len(extra_keys) else b""
-            block = data[offset:offset + step]
+            block = data[offset : offset + step]
             key = _hash(bytes(block) + extra if extra else block, key)
             append(key)
     return keys
 
 
-def request_keys(tokens: Sequence[int], block_size: int, model: str, *, lora_name: str | None = None,
-                 cache_salt: str | None = None) -> list[int]:
+def request_keys(
+    tokens: Sequence[int], block_size: int, model: str, *, lora_name: str | None = None, cache_salt: str | None = None
+) -> list[int]:
     """Keys of a request's prompt: what the index is asked about."""
     extras = request_extra_keys(len(tokens) // block_size, lora_name=lora_name, cache_salt=cache_salt)
     return chain_keys(tokens, block_size, root_key(model), extras)

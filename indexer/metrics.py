@@ -8,15 +8,11 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
-EVENTS_RECEIVED = Counter(
-    "kvroute_index_events_received_total", "KV events received, by type", ["worker", "type"]
-)
+EVENTS_RECEIVED = Counter("kvroute_index_events_received_total", "KV events received, by type", ["worker", "type"])
 EVENTS_APPLIED = Counter(
     "kvroute_index_events_applied_total", "KV events applied to the index, by type", ["worker", "type"]
 )
-DROPPED = Counter(
-    "kvroute_index_dropped_total", "Messages or events dropped, by reason", ["worker", "reason"]
-)
+DROPPED = Counter("kvroute_index_dropped_total", "Messages or events dropped, by reason", ["worker", "reason"])
 GAPS = Counter("kvroute_index_gaps_total", "Sequence gaps detected", ["worker"])
 REPLAYS = Counter("kvroute_index_replays_total", "Replay requests, by outcome", ["worker", "outcome"])
 PURGES = Counter("kvroute_index_purges_total", "Worker purges, by reason", ["worker", "reason"])

@@ -45,7 +45,7 @@ def key_names(prefix: bytes, keys: Sequence[int]) -> bytes:
     if not keys:
         return b""
     packed = pack_keys(keys)
-    return prefix + prefix.join([packed[i:i + 8] for i in range(0, len(packed), 8)])
+    return prefix + prefix.join([packed[i : i + 8] for i in range(0, len(packed), 8)])
 
 
 class RedisIndex(IndexBackend):
@@ -59,8 +59,14 @@ class RedisIndex(IndexBackend):
 
     name = "redis"
 
-    def __init__(self, url: str = "redis://127.0.0.1:6379/0", prefix: str = "kvr", ttl_s: int = 3600,
-                 timeout_s: float = 2.0, client: aioredis.Redis | None = None) -> None:
+    def __init__(
+        self,
+        url: str = "redis://127.0.0.1:6379/0",
+        prefix: str = "kvr",
+        ttl_s: int = 3600,
+        timeout_s: float = 2.0,
+        client: aioredis.Redis | None = None,
+    ) -> None:
         self.prefix = prefix
         self.ttl_s = ttl_s
         self.redis = client or aioredis.Redis.from_url(
@@ -74,8 +80,7 @@ class RedisIndex(IndexBackend):
         return f"{self.prefix}:{{{model}}}:{what}"
 
     def _model_keys(self, model: str) -> list[str]:
-        return [self._k(model, "slots"), self._k(model, "owners"), self._k(model, "next"),
-                self._k(model, "counts")]
+        return [self._k(model, "slots"), self._k(model, "owners"), self._k(model, "next"), self._k(model, "counts")]
 
     def _block_prefix(self, model: str) -> bytes:
         return self._k(model, "b:").encode()
@@ -104,7 +109,7 @@ class RedisIndex(IndexBackend):
             tier = int(op.tier).bit_length() - 1 if op.kind != "clear" else 0
             if op.kind != "clear" and (tier < 0 or int(op.tier) != 1 << tier):
                 raise ValueError(f"one tier bit per op, got {op.tier!r}")
-            chunks = [keys[i:i + MAX_KEYS_PER_CALL] for i in range(0, len(keys), MAX_KEYS_PER_CALL)] or [[]]
+            chunks = [keys[i : i + MAX_KEYS_PER_CALL] for i in range(0, len(keys), MAX_KEYS_PER_CALL)] or [[]]
             for chunk in chunks:
                 if size and size + len(chunk) > MAX_KEYS_PER_CALL:
                     calls.append(head + args)
@@ -144,13 +149,13 @@ class RedisIndex(IndexBackend):
         if not keys:
             return {}
         prefix = self._block_prefix(model)
-        flat = await self._call("lookup", self._lookup(
-            keys=[self._k(model, "owners")], args=[len(prefix) + 8, key_names(prefix, keys)]
-        ))
+        flat = await self._call(
+            "lookup", self._lookup(keys=[self._k(model, "owners")], args=[len(prefix) + 8, key_names(prefix, keys)])
+        )
         out: dict[str, WorkerMatch] = {}
         for i in range(0, len(flat), 6):
             worker = flat[i].decode() if isinstance(flat[i], bytes) else str(flat[i])
-            out[worker] = WorkerMatch(worker, *(int(v) for v in flat[i + 1:i + 6]))
+            out[worker] = WorkerMatch(worker, *(int(v) for v in flat[i + 1 : i + 6]))
         return out
 
     async def _models(self) -> list[str]:

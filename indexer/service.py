@@ -41,6 +41,7 @@ class Handled(NamedTuple):
     dp_rank: int | None = None
     seq: int | None = None
 
+
 #: How often a failed backend is retried (seconds) and how often a worker's bad input is logged.
 RECOVER_INTERVAL_S = 1.0
 LOG_INTERVAL_S = 60.0
@@ -187,8 +188,9 @@ class KVIndexer:
             info.block_size = block_size
             return True
         if info.block_size != block_size:
-            log.warning("model %s: block size %d from %s differs from %d in use",
-                        model, block_size, source, info.block_size)
+            log.warning(
+                "model %s: block size %d from %s differs from %d in use", model, block_size, source, info.block_size
+            )
             return False
         return True
 
@@ -235,8 +237,9 @@ class KVIndexer:
             log.warning("worker %s: dropped a message (%s) %s", worker_id, reason, detail[:200])
         return Handled("dropped")
 
-    async def handle_message(self, worker_id: str, frames: Sequence[bytes], *, on_gap: GapPolicy = "purge",
-                             replay: bool = False) -> Handled:
+    async def handle_message(
+        self, worker_id: str, frames: Sequence[bytes], *, on_gap: GapPolicy = "purge", replay: bool = False
+    ) -> Handled:
         """Decode, sequence-check and apply one ZMQ message ``[topic, seq, payload]`` from a worker.
 
         ``on_gap="report"`` returns ``"gap"`` without applying, so the caller can replay first.
@@ -387,8 +390,11 @@ class KVIndexer:
 
     def _backend_failed(self, op: str, exc: Exception) -> None:
         if not self._dirty:
-            log.error("index backend %s unavailable (%s): keeping local views, will rewrite on recovery",
-                      self.backend.name, exc)
+            log.error(
+                "index backend %s unavailable (%s): keeping local views, will rewrite on recovery",
+                self.backend.name,
+                exc,
+            )
         metrics.BACKEND_ERRORS.labels(self.backend.name, op).inc()
         metrics.BACKEND_UP.labels(self.backend.name).set(0)
         self._dirty = True
@@ -501,15 +507,17 @@ class KVIndexer:
 
     # ---- lookups -------------------------------------------------------------------------------
 
-    def request_keys(self, model: str, token_ids: Sequence[int], lora_name: str | None = None,
-                     cache_salt: str | None = None) -> tuple[int | None, list[int]]:
+    def request_keys(
+        self, model: str, token_ids: Sequence[int], lora_name: str | None = None, cache_salt: str | None = None
+    ) -> tuple[int | None, list[int]]:
         size = self.block_size(model)
         if size is None:
             return None, []
         return size, request_keys(token_ids, size, model, lora_name=lora_name, cache_salt=cache_salt)
 
-    async def lookup_tokens(self, model: str, token_ids: Sequence[int], lora_name: str | None = None,
-                            cache_salt: str | None = None) -> LookupResult:
+    async def lookup_tokens(
+        self, model: str, token_ids: Sequence[int], lora_name: str | None = None, cache_salt: str | None = None
+    ) -> LookupResult:
         """Per worker entity, how much of this prompt's prefix it holds. Raises IndexUnavailable."""
         if self.block_size(model) is None:
             await self._ask_block_size(model)
@@ -579,16 +587,27 @@ class KVIndexer:
                 if row.worker_id not in entities:
                     worker, rank = split_entity(row.worker_id)
                     entities[row.worker_id] = {
-                        "id": row.worker_id, "worker": worker, "dp_rank": rank, "model": row.model,
-                        "blocks": row.blocks, "by_tier": row.by_tier, "source": "backend",
+                        "id": row.worker_id,
+                        "worker": worker,
+                        "dp_rank": rank,
+                        "model": row.model,
+                        "blocks": row.blocks,
+                        "by_tier": row.by_tier,
+                        "source": "backend",
                     }
         except IndexUnavailable:
             backend_ok = False
         for worker in self._workers.values():
             if not any(e["worker"] == worker.id for e in entities.values()):
                 entities[worker.id] = {
-                    "id": worker.id, "worker": worker.id, "dp_rank": 0, "model": worker.model,
-                    "blocks": 0, "by_tier": {}, "events": 0, "seconds_since_last_event": None,
+                    "id": worker.id,
+                    "worker": worker.id,
+                    "dp_rank": 0,
+                    "model": worker.model,
+                    "blocks": 0,
+                    "by_tier": {},
+                    "events": 0,
+                    "seconds_since_last_event": None,
                 }
         return {
             "backend": self.backend.name,

@@ -98,9 +98,16 @@ async def _bind_when_free(sock: zmq.asyncio.Socket, endpoint: str, wait_s: float
 class EventSubscriber:
     """Owns the sockets and tasks feeding one indexer."""
 
-    def __init__(self, indexer: KVIndexer, *, bind: str | None = None, grace_s: float = 30.0,
-                 replay_timeout_s: float = 2.0, refresh_s: float | None = None,
-                 ctx: zmq.asyncio.Context | None = None) -> None:
+    def __init__(
+        self,
+        indexer: KVIndexer,
+        *,
+        bind: str | None = None,
+        grace_s: float = 30.0,
+        replay_timeout_s: float = 2.0,
+        refresh_s: float | None = None,
+        ctx: zmq.asyncio.Context | None = None,
+    ) -> None:
         self.indexer = indexer
         self.bind = bind
         self.grace_s = grace_s
@@ -126,8 +133,10 @@ class EventSubscriber:
         if spec.endpoint is None:
             topic = spec.topic.encode()
             if topic in self._topics:
-                raise ValueError(f"topic {spec.topic!r} already names worker {self._topics[topic]!r}: "
-                                 "workers sharing the bound socket need distinct topics")
+                raise ValueError(
+                    f"topic {spec.topic!r} already names worker {self._topics[topic]!r}: "
+                    "workers sharing the bound socket need distinct topics"
+                )
             self._topics[topic] = spec.worker_id
         else:
             for rank in range(spec.dp_size):
@@ -218,8 +227,7 @@ class EventSubscriber:
         finally:
             sock.close(0)
 
-    async def _monitor_loop(self, spec: WorkerSpec, sock: zmq.asyncio.Socket,
-                            monitor: zmq.asyncio.Socket) -> None:
+    async def _monitor_loop(self, spec: WorkerSpec, sock: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket) -> None:
         try:
             while True:
                 raise_if_cancel_swallowed()
@@ -244,8 +252,7 @@ class EventSubscriber:
                     worker_id = self._topics.get(frames[0]) if frames else None
                     spec = self._specs.get(worker_id) if worker_id else None
                     if spec is None:
-                        self.indexer.count_drop("(bound)", "unknown_topic",
-                                                repr(frames[0][:64]) if frames else "")
+                        self.indexer.count_drop("(bound)", "unknown_topic", repr(frames[0][:64]) if frames else "")
                         continue
                     self.indexer.mark_up(spec.worker_id)
                     await self._handle(spec, frames)

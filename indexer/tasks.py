@@ -33,8 +33,9 @@ def raise_if_cancel_swallowed() -> None:
         raise asyncio.CancelledError
 
 
-async def cancel_and_wait(tasks: Iterable[asyncio.Task[object]], timeout_s: float = STOP_TIMEOUT_S,
-                          recancel_s: float = RECANCEL_INTERVAL_S) -> set[asyncio.Task[object]]:
+async def cancel_and_wait(
+    tasks: Iterable[asyncio.Task[object]], timeout_s: float = STOP_TIMEOUT_S, recancel_s: float = RECANCEL_INTERVAL_S
+) -> set[asyncio.Task[object]]:
     """Cancel ``tasks`` and wait until they are done, cancelling again those still running every
     ``recancel_s``. Bounded: returns the tasks still running after ``timeout_s`` (logged), empty when all
     ended. Their exceptions are logged, never raised; a cancellation of the caller propagates."""
@@ -47,8 +48,11 @@ async def cancel_and_wait(tasks: Iterable[asyncio.Task[object]], timeout_s: floa
             task.cancel()
         left = deadline - loop.time()
         if left <= 0:
-            log.error("tasks still running %.1f s after being cancelled, left behind: %s",
-                      timeout_s, ", ".join(sorted(task.get_name() for task in pending)))
+            log.error(
+                "tasks still running %.1f s after being cancelled, left behind: %s",
+                timeout_s,
+                ", ".join(sorted(task.get_name() for task in pending)),
+            )
             break
         _, pending = await asyncio.wait(pending, timeout=min(recancel_s, left))
     for task in tasks:

@@ -28,8 +28,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--steps", default="6,12", help="steps per session, min,max")
     p.add_argument("--time-scale", type=float, default=0.25, help="model seconds x scale = real seconds")
     p.add_argument("--seed", type=int, default=7)
-    p.add_argument("--kv-protocol", choices=("none", "p2p"), default="p2p",
-                   help="p2p: workers fetch from peers when the router names one")
+    p.add_argument(
+        "--kv-protocol",
+        choices=("none", "p2p"),
+        default="p2p",
+        help="p2p: workers fetch from peers when the router names one",
+    )
     p.add_argument("--gpu-blocks", type=int, default=2000, help="GPU KV blocks per worker")
     p.add_argument("--cpu-blocks", type=int, default=30000, help="CPU-tier blocks per worker (0 = none)")
     p.add_argument("--policies", default=",".join(DEFAULT_POLICIES), help="comma-separated policy names")
@@ -48,25 +52,30 @@ def run(args: argparse.Namespace) -> int:
     policies = [p for p in args.policies.split(",") if p]
     missing = [p for p in policies if p not in known]
     if missing:
-        print(f"kvroute demo: skipping unknown policies {missing} (available: {sorted(known)})",
-              file=sys.stderr)
+        print(f"kvroute demo: skipping unknown policies {missing} (available: {sorted(known)})", file=sys.stderr)
         policies = [p for p in policies if p in known]
     lo, hi = (int(v) for v in args.steps.split(","))
     trace = agentic_trace(args.seed, sessions=args.sessions, steps=(lo, hi), arrival_rate=2.0)
-    fleet = FleetSpec(workers=args.workers, preset=args.preset, time_scale=args.time_scale,
-                      gpu_blocks=args.gpu_blocks, cpu_blocks=args.cpu_blocks)
+    fleet = FleetSpec(
+        workers=args.workers,
+        preset=args.preset,
+        time_scale=args.time_scale,
+        gpu_blocks=args.gpu_blocks,
+        cpu_blocks=args.cpu_blocks,
+    )
     router_config = {"pool": {"kv_protocol": args.kv_protocol}}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     logs = Path(tempfile.mkdtemp(prefix="kvroute-demo-"))
-    print(f"kvroute demo: {args.workers} simulated workers ({args.preset}, {args.gpu_blocks} GPU + "
-          f"{args.cpu_blocks} CPU blocks each, pool {args.kv_protocol}), agentic trace of "
-          f"{len(trace.sessions)} sessions / {trace.n_requests} requests, {len(policies)} policies")
+    print(
+        f"kvroute demo: {args.workers} simulated workers ({args.preset}, {args.gpu_blocks} GPU + "
+        f"{args.cpu_blocks} CPU blocks each, pool {args.kv_protocol}), agentic trace of "
+        f"{len(trace.sessions)} sessions / {trace.n_requests} requests, {len(policies)} policies"
+    )
     rows = []
     for policy in policies:
         progress = Progress(policy, trace.n_requests)
-        result = run_policy(policy, trace, fleet, workdir=logs, router_config=router_config,
-                            on_result=progress)
+        result = run_policy(policy, trace, fleet, workdir=logs, router_config=router_config, on_result=progress)
         progress.finish()
         rows.append(model_time_row(result.summary(), args.time_scale))
     text = table(rows, baseline="round_robin" if "round_robin" in policies else None)

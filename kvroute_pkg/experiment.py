@@ -48,9 +48,22 @@ class FleetSpec:
     extra_args: list[str] = field(default_factory=list)
 
     def argv(self, config_out: Path) -> list[str]:
-        argv = [sys.executable, "-m", "kvroute.cli", "sim", "--workers", str(self.workers), "--preset",
-                self.preset, "--time-scale", str(self.time_scale), "--roles", self.roles,
-                "--config-out", str(config_out)]
+        argv = [
+            sys.executable,
+            "-m",
+            "kvroute.cli",
+            "sim",
+            "--workers",
+            str(self.workers),
+            "--preset",
+            self.preset,
+            "--time-scale",
+            str(self.time_scale),
+            "--roles",
+            self.roles,
+            "--config-out",
+            str(config_out),
+        ]
         if self.gpu_blocks is not None:
             argv += ["--gpu-blocks", str(self.gpu_blocks)]
         if self.cpu_blocks is not None:
@@ -91,8 +104,9 @@ def _process(argv: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
             stop_process(proc)
 
 
-def wait_until_ready(predicate: Callable[[], bool], proc: subprocess.Popen[bytes], what: str, log: Path,
-              timeout_s: float = 60.0) -> None:
+def wait_until_ready(
+    predicate: Callable[[], bool], proc: subprocess.Popen[bytes], what: str, log: Path, timeout_s: float = 60.0
+) -> None:
     """Poll ``predicate`` until true; fail with the log's tail if ``proc`` exits or time runs out."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -112,10 +126,17 @@ def answers_ok(url: str) -> bool:
         return False
 
 
-def run_policy(policy: str, trace: Trace, fleet: FleetSpec, *, workdir: Path | None = None,
-               router_config: dict[str, Any] | None = None, policy_options: dict[str, Any] | None = None,
-               on_result: Callable[[RequestResult], None] | None = None,
-               router_log_level: str = "warning") -> PolicyRun:
+def run_policy(
+    policy: str,
+    trace: Trace,
+    fleet: FleetSpec,
+    *,
+    workdir: Path | None = None,
+    router_config: dict[str, Any] | None = None,
+    policy_options: dict[str, Any] | None = None,
+    on_result: Callable[[RequestResult], None] | None = None,
+    router_log_level: str = "warning",
+) -> PolicyRun:
     """Start a fleet and a router with ``policy``, replay ``trace`` through the router, stop both.
 
     ``router_log_level="debug"`` writes every routing decision to the router's log in ``workdir``."""
@@ -126,8 +147,7 @@ def run_policy(policy: str, trace: Trace, fleet: FleetSpec, *, workdir: Path | N
     router_log = workdir / f"router-{policy}.log"
     fleet_yaml.unlink(missing_ok=True)  # its appearance is the fleet's "ready" signal
     with _process(fleet.argv(fleet_yaml), fleet_log) as sim:
-        wait_until_ready(lambda: fleet_yaml.exists() and fleet_yaml.stat().st_size > 0, sim, "kvroute sim",
-                  fleet_log)
+        wait_until_ready(lambda: fleet_yaml.exists() and fleet_yaml.stat().st_size > 0, sim, "kvroute sim", fleet_log)
         time.sleep(0.2)  # the file is written in one call; give the workers' sockets a moment
         config = yaml.safe_load(fleet_yaml.read_text())
         merge_sections(config, router_config or {})
@@ -138,18 +158,26 @@ def run_policy(policy: str, trace: Trace, fleet: FleetSpec, *, workdir: Path | N
         config["port"] = port
         router_yaml = workdir / f"router-{policy}.yaml"
         router_yaml.write_text(yaml.safe_dump(config, sort_keys=False))
-        serve = [sys.executable, "-m", "kvroute.cli", "serve", "--config", str(router_yaml),
-                 "--log-level", router_log_level]
+        serve = [
+            sys.executable,
+            "-m",
+            "kvroute.cli",
+            "serve",
+            "--config",
+            str(router_yaml),
+            "--log-level",
+            router_log_level,
+        ]
         base = f"http://127.0.0.1:{port}"
         with _process(serve, router_log) as router:
             wait_until_ready(lambda: answers_ok(base + "/ready"), router, "kvroute serve", router_log)
             model = config["models"][0]["name"] if config.get("models") else None
-            report = asyncio.run(replay(trace, base, model=model, time_scale=fleet.time_scale,
-                                        on_result=on_result))
+            report = asyncio.run(replay(trace, base, model=model, time_scale=fleet.time_scale, on_result=on_result))
             time.sleep(0.5)  # the router records a request's outcome just after its client saw the end
             metrics = _scrape(base + "/metrics")
-        workers = {w.get("id") or w["url"]: _scrape(w["url"].rstrip("/") + "/metrics")
-                   for w in config.get("workers", [])}
+        workers = {
+            w.get("id") or w["url"]: _scrape(w["url"].rstrip("/") + "/metrics") for w in config.get("workers", [])
+        }
     return PolicyRun(policy, report, metrics, workers)
 
 
@@ -183,9 +211,11 @@ class Progress:
             width = 28
             filled = int(width * min(self.done, self.total) / max(self.total, 1))
             p50 = sorted(self.ttfts)[len(self.ttfts) // 2] * 1000 if self.ttfts else 0.0
-            self.stream.write(f"\r  {self.label:<12} [{'#' * filled}{'.' * (width - filled)}] "
-                              f"{self.done}/{self.total} requests, {self.errors} errors, "
-                              f"TTFT p50 {p50:7.1f} ms")
+            self.stream.write(
+                f"\r  {self.label:<12} [{'#' * filled}{'.' * (width - filled)}] "
+                f"{self.done}/{self.total} requests, {self.errors} errors, "
+                f"TTFT p50 {p50:7.1f} ms"
+            )
             self.stream.flush()
 
     def finish(self) -> None:

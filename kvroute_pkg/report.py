@@ -28,8 +28,9 @@ def model_time_row(summary: dict[str, Any], time_scale: float) -> dict[str, Any]
     return row
 
 
-def table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str, str]] = COLUMNS,
-          baseline: str | None = None) -> str:
+def table(
+    rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str, str]] = COLUMNS, baseline: str | None = None
+) -> str:
     """A plain-text table; with ``baseline``, a column of TTFT p50 ratios against that policy."""
     cols = list(columns)
     base = next((r for r in rows if r.get("policy") == baseline), None)

@@ -203,6 +203,5 @@ def split_roles(workers: Sequence[WorkerView]) -> tuple[list[WorkerView], list[W
     prefill = [w for w in workers if w.healthy and w.can_prefill]
     decode = [w for w in workers if w.healthy and w.can_decode]
     if not prefill or not decode:
-        raise NoWorkerError("no healthy worker for this model" if not workers
-                            else "no worker with the needed role")
+        raise NoWorkerError("no healthy worker for this model" if not workers else "no worker with the needed role")
     return prefill, decode

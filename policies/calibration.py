@@ -49,10 +49,18 @@ class Feedback:
 class Calibrator:
     """EWMA estimates learnt from outcomes; see the module docstring for what each one corrects."""
 
-    def __init__(self, *, alpha: float = 0.2, default_service_time_s: float = 0.1,
-                 stale_tolerance: float = 0.5, window_s: float = 300.0, min_prefill_tokens: int = 128,
-                 overhead_forget: float = 0.05, max_overhead_s: float = 0.5,
-                 now: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        *,
+        alpha: float = 0.2,
+        default_service_time_s: float = 0.1,
+        stale_tolerance: float = 0.5,
+        window_s: float = 300.0,
+        min_prefill_tokens: int = 128,
+        overhead_forget: float = 0.05,
+        max_overhead_s: float = 0.5,
+        now: Callable[[], float] = time.monotonic,
+    ) -> None:
         if not 0 < alpha <= 1:
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
         if not 0 < overhead_forget <= 1 or max_overhead_s < 0:

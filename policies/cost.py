@@ -44,8 +44,19 @@ from kvroute.policies.registry import register_policy
 from kvroute.policies.tier_policy import TierPolicy
 
 #: The order of ``_Option.terms``; the first seven add up to the predicted TTFT.
-_TERM_NAMES = ("queue_s", "lookup_s", "transfer_s", "promotion_s", "prefill_s", "handoff_s", "decode_queue_s",
-               "prefill_s_per_uncached_token", "expected_cached_tokens", "tokens_REMOTE", "bytes_moved")
+_TERM_NAMES = (
+    "queue_s",
+    "lookup_s",
+    "transfer_s",
+    "promotion_s",
+    "prefill_s",
+    "handoff_s",
+    "decode_queue_s",
+    "prefill_s_per_uncached_token",
+    "expected_cached_tokens",
+    "tokens_REMOTE",
+    "bytes_moved",
+)
 
 
 @dataclass(slots=True, frozen=True)
@@ -113,8 +124,15 @@ class _Option:
     note: str = ""
 
     def key(self) -> tuple[Any, ...]:
-        return (self.rank, self.p.worker.id != self.d.id, self.source is not None, self.p.worker.load,
-                self.p.worker.id, self.d.id, self.source.worker.id if self.source else "")
+        return (
+            self.rank,
+            self.p.worker.id != self.d.id,
+            self.source is not None,
+            self.p.worker.load,
+            self.p.worker.id,
+            self.d.id,
+            self.source.worker.id if self.source else "",
+        )
 
 
 @dataclass(slots=True)
@@ -187,8 +205,7 @@ class KvAwarePolicy(Policy):
             old = self._hold_s.get(outcome.plan.prefill)
             alpha = self.calibrator.alpha
             self._hold_s[outcome.plan.prefill] = held if old is None else (1 - alpha) * old + alpha * held
-        self.calibrator.record_plan(outcome.plan.predicted_by_tier,
-                                    int(outcome.plan.breakdown.get("bytes_moved", 0)))
+        self.calibrator.record_plan(outcome.plan.predicted_by_tier, int(outcome.plan.breakdown.get("bytes_moved", 0)))
         if self.params.calibrate:
             self.calibrator.observe(outcome)
 
@@ -198,8 +215,11 @@ class KvAwarePolicy(Policy):
         pending = self._pending.setdefault(plan.prefill, OrderedDict())
         bd = plan.breakdown  # the prefill worker is busy for all but the queue and the handoff
         service = bd["total_s"] - bd["queue_s"] - bd["handoff_s"] - bd["decode_queue_s"]
-        pending[request.request_id] = (self.calibrator.now(), service,
-                                       self._blocks_needed(request, int(bd.get("tokens_GPU", 0))))
+        pending[request.request_id] = (
+            self.calibrator.now(),
+            service,
+            self._blocks_needed(request, int(bd.get("tokens_GPU", 0))),
+        )
         while len(pending) > self.params.max_pending:
             pending.popitem(last=False)
         return plan
@@ -227,8 +247,7 @@ class KvAwarePolicy(Policy):
         p2p = prm.kv_protocol == "p2p"
         cls = request.latency_class
         allow_storage = self.tiers.allows(cls, "STORAGE") if p2p else True
-        allow_remote = p2p and (self.tiers.allows(cls, "CPU", "REMOTE")
-                                or self.tiers.allows(cls, "STORAGE", "REMOTE"))
+        allow_remote = p2p and (self.tiers.allows(cls, "CPU", "REMOTE") or self.tiers.allows(cls, "STORAGE", "REMOTE"))
         model = self._models.get(request.model)
         if model is None:
             model = self._models[request.model] = prm.model(request.model)
@@ -243,8 +262,17 @@ class KvAwarePolicy(Policy):
             match = request.matches.get(w.id)
             if match is None or match.blocks <= 0:  # the common case on a large pool: nothing cached
                 queue, kv_wait = self._waits(w, request, 0)
-                locals_[w.id] = _Local(worker=w, tokens={}, cached=0, expected=0.0, promotion_s=0.0,
-                                       queue_s=queue, peer_tokens=0, peer_prob=p_remote, kv_wait_s=kv_wait)
+                locals_[w.id] = _Local(
+                    worker=w,
+                    tokens={},
+                    cached=0,
+                    expected=0.0,
+                    promotion_s=0.0,
+                    queue_s=queue,
+                    peer_tokens=0,
+                    peer_prob=p_remote,
+                    kv_wait_s=kv_wait,
+                )
                 continue
             run = usable_run(match, allow_storage, allow_remote)
             tokens: dict[str, int] = {}
@@ -255,17 +283,33 @@ class KvAwarePolicy(Policy):
                     tokens[tier] = take
                     left -= take
             exp = {t: n * self._still_there(w, t, ratio) for t, n in tokens.items()}
-            promotion = (exp.get("CPU", 0.0) * bpt / prm.promotion_cpu_bytes_per_s
-                         + exp.get("STORAGE", 0.0) * bpt / prm.promotion_storage_bytes_per_s)
+            promotion = (
+                exp.get("CPU", 0.0) * bpt / prm.promotion_cpu_bytes_per_s
+                + exp.get("STORAGE", 0.0) * bpt / prm.promotion_storage_bytes_per_s
+            )
             served = max(0, match.blocks - max(0, match.remote)) * block
             queue, kv_wait = self._waits(w, request, tokens.get("GPU", 0))
             locals_[w.id] = _Local(
-                worker=w, tokens=tokens, cached=cap - left, expected=sum(exp.values()), promotion_s=promotion,
-                queue_s=queue, peer_tokens=min(cap, served), peer_prob=p_remote, kv_wait_s=kv_wait)
-        return _Ctx(request=request, model=model, prompt=prompt, cap=cap,
-                    scale=self.calibrator.prefill_scale(request.model), locals=locals_,
-                    best_local=max((lw.expected for lw in locals_.values()), default=0.0),
-                    allow_sources=p2p and self.tiers.allows_source(cls))
+                worker=w,
+                tokens=tokens,
+                cached=cap - left,
+                expected=sum(exp.values()),
+                promotion_s=promotion,
+                queue_s=queue,
+                peer_tokens=min(cap, served),
+                peer_prob=p_remote,
+                kv_wait_s=kv_wait,
+            )
+        return _Ctx(
+            request=request,
+            model=model,
+            prompt=prompt,
+            cap=cap,
+            scale=self.calibrator.prefill_scale(request.model),
+            locals=locals_,
+            best_local=max((lw.expected for lw in locals_.values()), default=0.0),
+            allow_sources=p2p and self.tiers.allows_source(cls),
+        )
 
     def _candidates(self, ctx: _Ctx, healthy: list[WorkerView], limit: int | None) -> list[_Option]:
         """Every plan worth weighing. With a ``limit``, prefill workers are visited by a lower bound of
@@ -278,14 +322,18 @@ class KvAwarePolicy(Policy):
         decoders = [w for w in healthy if w.role == "decode"]
         peers: list[_Local] = []
         if ctx.allow_sources and prm.max_sources > 0:
-            peers = [lw for lw in ctx.locals.values() if lw.worker.p2p_host and lw.worker.p2p_port
-                     and lw.peer_tokens > 0]
+            peers = [
+                lw for lw in ctx.locals.values() if lw.worker.p2p_host and lw.worker.p2p_port and lw.peer_tokens > 0
+            ]
             peers.sort(key=lambda lw: (-lw.peer_tokens, lw.worker.load, lw.worker.id))
         conv = self._conversation_source(ctx)
         reach = max([q.peer_tokens for q in peers[:1]] + [conv.peer_tokens if conv else 0])
         per_token = ctx.scale / ctx.model.prefill_tokens_per_s
-        bounds = {w.id: lw.queue_s + (ctx.prompt - max(lw.cached, reach)) * per_token
-                  for w in healthy for lw in (ctx.locals[w.id],)}
+        bounds = {
+            w.id: lw.queue_s + (ctx.prompt - max(lw.cached, reach)) * per_token
+            for w in healthy
+            for lw in (ctx.locals[w.id],)
+        }
         kth: list[float] = []  # the `limit` best scores so far, negated (a max-heap)
         out: list[_Option] = []
         for p in sorted(healthy, key=lambda w: bounds[w.id]):
@@ -304,8 +352,7 @@ class KvAwarePolicy(Policy):
                     if conv is not None and d.id != p.id and conv.worker.id != p.id:
                         out.append(self._score(ctx, lp, d, source=conv, reuse=True))
             # A decode worker prefills itself when few tokens are uncached there (Dynamo / vllm-router rule).
-            elif p.role == "decode" and (protocol == "none"
-                                         or ctx.prompt - lp.cached <= prm.pd_split_threshold_tokens):
+            elif p.role == "decode" and (protocol == "none" or ctx.prompt - lp.cached <= prm.pd_split_threshold_tokens):
                 out.append(self._score(ctx, lp, p, note="decode worker prefills locally"))
             if limit is not None:
                 for o in out[start:]:  # ranks are >= scores, so the bounds stay lower bounds
@@ -318,8 +365,11 @@ class KvAwarePolicy(Policy):
     def _conversation_source(self, ctx: _Ctx) -> _Local | None:
         """The previous turn's decoder as a source of the reusable tokens (nixl bidirectional reuse)."""
         req = ctx.request
-        if (self.params.kv_protocol != "nixl" or req.conversation_worker not in ctx.locals
-                or req.conversation_reusable_tokens < max(1, self.params.kv_recompute_threshold)):
+        if (
+            self.params.kv_protocol != "nixl"
+            or req.conversation_worker not in ctx.locals
+            or req.conversation_reusable_tokens < max(1, self.params.kv_recompute_threshold)
+        ):
             return None
         holder = ctx.locals[req.conversation_worker or ""]
         return dataclasses.replace(holder, peer_tokens=min(ctx.cap, req.conversation_reusable_tokens))
@@ -398,8 +448,9 @@ class KvAwarePolicy(Policy):
             prob *= 1.0 - self.params.kv_pressure_decay * pressure
         return max(0.0, min(1.0, prob))
 
-    def _score(self, ctx: _Ctx, lp: _Local, d: WorkerView, *, source: _Local | None = None,
-               reuse: bool = False, note: str = "") -> _Option:
+    def _score(
+        self, ctx: _Ctx, lp: _Local, d: WorkerView, *, source: _Local | None = None, reuse: bool = False, note: str = ""
+    ) -> _Option:
         prm, mdl = self.params, ctx.model
         bpt = mdl.bytes_per_token
         p = lp.worker
@@ -411,8 +462,9 @@ class KvAwarePolicy(Policy):
         if source is not None:
             lookup = prm.lookup_rtt_s
             transfer = self._transfer_s(ctx, exp_remote, source.worker.id, p.id)
-        per_token = (1.0 / mdl.prefill_tokens_per_s
-                     + mdl.attention_coeff_s * (cached_exp + uncached / 2) / 1000.0) * ctx.scale
+        per_token = (
+            1.0 / mdl.prefill_tokens_per_s + mdl.attention_coeff_s * (cached_exp + uncached / 2) / 1000.0
+        ) * ctx.scale
         prefill = uncached * per_token
         handoff = decode_queue = 0.0
         moved = exp_remote * bpt
@@ -420,15 +472,35 @@ class KvAwarePolicy(Policy):
             handoff = prm.handoff_s + self._transfer_s(ctx, ctx.prompt, p.id, d.id)
             decode_queue = d.load * prm.decode_queue_s_per_request
             moved += ctx.prompt * bpt
-        terms = (lp.queue_s, lookup, transfer, lp.promotion_s, prefill, handoff, decode_queue,
-                 per_token, cached_exp, float(remote), moved)
+        terms = (
+            lp.queue_s,
+            lookup,
+            transfer,
+            lp.promotion_s,
+            prefill,
+            handoff,
+            decode_queue,
+            per_token,
+            cached_exp,
+            float(remote),
+            moved,
+        )
         score = sum(terms[:7])
         # Cached tokens this plan leaves behind on the worker holding the most: their recompute is
         # certain, the queue it avoids is an estimate from lagging load signals.
         left_behind = max(0.0, ctx.best_local - cached_exp)
         rank = score + left_behind * per_token * prm.affinity_weight
-        return _Option(score=score, rank=rank, p=lp, d=d, source=source, reuse=reuse,
-                       cached=lp.cached + remote, terms=terms, note=note)
+        return _Option(
+            score=score,
+            rank=rank,
+            p=lp,
+            d=d,
+            source=source,
+            reuse=reuse,
+            cached=lp.cached + remote,
+            terms=terms,
+            note=note,
+        )
 
     def _transfer_s(self, ctx: _Ctx, tokens: float, src: str, dst: str) -> float:
         """Moving ``tokens`` of KV from ``src`` to ``dst``: setup + per-block descriptors + bytes / bandwidth."""
@@ -436,8 +508,11 @@ class KvAwarePolicy(Policy):
             return 0.0
         prm, mdl = self.params, ctx.model
         blocks = tokens / max(1, ctx.request.block_size)
-        return (prm.transfer_setup_s + blocks * mdl.transfer_per_block_s
-                + tokens * mdl.bytes_per_token / prm.bandwidth(src, dst))
+        return (
+            prm.transfer_setup_s
+            + blocks * mdl.transfer_per_block_s
+            + tokens * mdl.bytes_per_token / prm.bandwidth(src, dst)
+        )
 
     @staticmethod
     def _materialise(ctx: _Ctx, o: _Option) -> CandidatePlan:
@@ -455,10 +530,15 @@ class KvAwarePolicy(Policy):
             kind += f" + conversation KV from {o.source.worker.id}"
         elif o.source is not None:
             kind += f" + kv from {o.source.worker.id}"
-        return CandidatePlan(prefill=o.p.worker.id, decode=o.d.id,
-                             kv_source=o.source.worker.id if o.source is not None and not o.reuse else None,
-                             score=o.rank, breakdown=bd, predicted_cached_tokens=o.cached,
-                             note=f"{kind}{'; ' + o.note if o.note else ''}")
+        return CandidatePlan(
+            prefill=o.p.worker.id,
+            decode=o.d.id,
+            kv_source=o.source.worker.id if o.source is not None and not o.reuse else None,
+            score=o.rank,
+            breakdown=bd,
+            predicted_cached_tokens=o.cached,
+            note=f"{kind}{'; ' + o.note if o.note else ''}",
+        )
 
     # -- the plan ------------------------------------------------------------------------------------
 
@@ -469,33 +549,44 @@ class KvAwarePolicy(Policy):
         if self.params.kv_protocol == "p2p":
             load_tiers, max_offload = self.tiers.apply(ctx.request, with_source=best.kv_source is not None)
         return RoutePlan(
-            prefill=best.prefill, decode=best.decode, kv_source=best.kv_source,
-            kv_load_tiers=load_tiers, max_offload_tokens=max_offload,
-            predicted_cached_tokens=best.predicted_cached_tokens, predicted_ttft_s=best.breakdown["total_s"],
-            predicted_by_tier=self._tier_tokens(best), reuse_conversation=ranked[0].reuse,
-            reason=self._reason(ctx, best, ranked), breakdown=dict(best.breakdown), candidates=shown,
+            prefill=best.prefill,
+            decode=best.decode,
+            kv_source=best.kv_source,
+            kv_load_tiers=load_tiers,
+            max_offload_tokens=max_offload,
+            predicted_cached_tokens=best.predicted_cached_tokens,
+            predicted_ttft_s=best.breakdown["total_s"],
+            predicted_by_tier=self._tier_tokens(best),
+            reuse_conversation=ranked[0].reuse,
+            reason=self._reason(ctx, best, ranked),
+            breakdown=dict(best.breakdown),
+            candidates=shown,
             policy=self.name,
         )
 
     @staticmethod
     def _tier_tokens(best: CandidatePlan) -> dict[str, int]:
-        return {k[len("tokens_"):]: int(v) for k, v in best.breakdown.items() if k.startswith("tokens_")}
+        return {k[len("tokens_") :]: int(v) for k, v in best.breakdown.items() if k.startswith("tokens_")}
 
     @staticmethod
     def _reason(ctx: _Ctx, best: CandidatePlan, ranked: list[_Option]) -> str:
         bd = best.breakdown
-        text = (f"best plan, predicted TTFT {bd['total_s'] * 1000:.1f} ms ({best.note}): "
-                f"{best.predicted_cached_tokens}/{ctx.prompt} tokens cached, "
-                f"queue {bd['queue_s'] * 1000:.1f} ms"
-                + (f" (KV space {bd['kv_space_wait_s'] * 1000:.1f} ms)" if bd.get("kv_space_wait_s") else "")
-                + ", "
-                f"prefill {bd['prefill_s'] * 1000:.1f} ms")
+        text = (
+            f"best plan, predicted TTFT {bd['total_s'] * 1000:.1f} ms ({best.note}): "
+            f"{best.predicted_cached_tokens}/{ctx.prompt} tokens cached, "
+            f"queue {bd['queue_s'] * 1000:.1f} ms"
+            + (f" (KV space {bd['kv_space_wait_s'] * 1000:.1f} ms)" if bd.get("kv_space_wait_s") else "")
+            + ", "
+            f"prefill {bd['prefill_s'] * 1000:.1f} ms"
+        )
         if len(ranked) > 1:
             runner = ranked[1]
             gap_ms = (runner.rank - best.score) * 1000
             text += f"; next {runner.p.worker.id}->{runner.d.id} ranked +{gap_ms:.1f} ms behind"
         holder = max(ctx.locals.values(), key=lambda lw: (lw.cached, -lw.queue_s))
         if holder.cached > best.predicted_cached_tokens:
-            text += (f"; load overrides affinity: {holder.worker.id} holds {holder.cached} tokens "
-                     f"but waits {holder.queue_s * 1000:.1f} ms")
+            text += (
+                f"; load overrides affinity: {holder.worker.id} holds {holder.cached} tokens "
+                f"but waits {holder.queue_s * 1000:.1f} ms"
+            )
         return text

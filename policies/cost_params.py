@@ -96,13 +96,29 @@ class CostParams:
     tier_policy: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name in ("prefill_tokens_per_s", "default_bandwidth_bytes_per_s", "promotion_cpu_bytes_per_s",
-                     "promotion_storage_bytes_per_s", "queue_parallelism"):
+        for name in (
+            "prefill_tokens_per_s",
+            "default_bandwidth_bytes_per_s",
+            "promotion_cpu_bytes_per_s",
+            "promotion_storage_bytes_per_s",
+            "queue_parallelism",
+        ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        for name in ("attention_coeff_s", "lookup_rtt_s", "handoff_s", "transfer_setup_s", "kv_pressure_decay",
-                     "default_service_time_s", "default_hold_s", "decode_queue_s_per_request", "unknown_running_weight",
-                     "affinity_weight", "pd_split_threshold_tokens", "kv_recompute_threshold"):
+        for name in (
+            "attention_coeff_s",
+            "lookup_rtt_s",
+            "handoff_s",
+            "transfer_setup_s",
+            "kv_pressure_decay",
+            "default_service_time_s",
+            "default_hold_s",
+            "decode_queue_s_per_request",
+            "unknown_running_weight",
+            "affinity_weight",
+            "pd_split_threshold_tokens",
+            "kv_recompute_threshold",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if self.bytes_per_token <= 0:

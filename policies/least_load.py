@@ -21,5 +21,4 @@ class LeastLoad(Policy):
         prefill, decode = split_roles(workers)
         p = least_loaded(prefill)
         d = p if p.can_decode else least_loaded(decode)
-        return RoutePlan(prefill=p.id, decode=d.id, reason=f"least load ({p.load} outstanding)",
-                         policy=self.name)
+        return RoutePlan(prefill=p.id, decode=d.id, reason=f"least load ({p.load} outstanding)", policy=self.name)

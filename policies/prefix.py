@@ -77,8 +77,7 @@ class PrefixPolicy(Policy):
         decoders = [w for w in healthy if w.can_decode]
         prefillers = [w for w in healthy if w.role == "prefill"]
         if not decoders:
-            raise NoWorkerError("no healthy worker for this model" if not healthy
-                                else "no decode-capable worker")
+            raise NoWorkerError("no healthy worker for this model" if not healthy else "no decode-capable worker")
         d, score = self._pick(request, decoders)
         if not prefillers:
             return self._plan(request, d, d, f"max score {score:.2f}")
@@ -95,5 +94,4 @@ class PrefixPolicy(Policy):
         match = request.matches.get(p.id)
         held = (match.blocks if match else 0) * request.block_size
         cached = min(max(0, (request.prompt_tokens or 0) - 1), held)
-        return RoutePlan(prefill=p.id, decode=d.id, predicted_cached_tokens=cached, reason=reason,
-                         policy=self.name)
+        return RoutePlan(prefill=p.id, decode=d.id, predicted_cached_tokens=cached, reason=reason, policy=self.name)

@@ -88,8 +88,7 @@ class TextTree:
         """Drop ``tenant``'s least-recently-used leaves until it holds at most ``max_size`` characters."""
         if self.size(tenant) <= max_size:
             return
-        leaves = [(n.tenants[tenant], id(n), n)
-                  for n in self._nodes_of(tenant) if self._is_leaf_of(n, tenant)]
+        leaves = [(n.tenants[tenant], id(n), n) for n in self._nodes_of(tenant) if self._is_leaf_of(n, tenant)]
         heapq.heapify(leaves)
         while leaves and self.size(tenant) > max_size:
             _, _, node = heapq.heappop(leaves)

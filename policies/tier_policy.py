@@ -94,8 +94,13 @@ class TierPolicy:
     def from_options(cls, options: dict[str, Any] | None) -> TierPolicy:
         """Build from the ``tier_policy`` policy option (a dict with the field names above)."""
         options = dict(options or {})
-        unknown = set(options) - {"classes", "default_class", "offload_rule", "unknown_offload_tokens",
-                                  "planned_sources"}
+        unknown = set(options) - {
+            "classes",
+            "default_class",
+            "offload_rule",
+            "unknown_offload_tokens",
+            "planned_sources",
+        }
         if unknown:
             raise ValueError(f"unknown tier_policy options: {sorted(unknown)}")
         if "classes" in options:

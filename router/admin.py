@@ -70,7 +70,7 @@ async def remove_worker(worker_id: str, request: Request) -> dict[str, Any]:
     return _remove(request, worker_id)
 
 
-@router.delete("/workers", summary="Remove a worker given {\"id\"} or {\"url\"} in the body")
+@router.delete("/workers", summary='Remove a worker given {"id"} or {"url"} in the body')
 async def remove_worker_by_body(request: Request) -> dict[str, Any]:
     try:
         spec = RemoveWorker.model_validate_json(await request.body() or b"{}")

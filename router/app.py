@@ -76,9 +76,14 @@ def settle_heap(gen0_threshold: int) -> None:
     gc.set_threshold(gen0_threshold, max(gen1, 50), max(gen2, 100))
 
 
-def create_app(config: RouterConfig, *, policy: Policy | None = None, transport: Transport | None = None,
-               pipeline_cls: type[Pipeline] = Pipeline,
-               admin_routers: list[Any] | None = None) -> Starlette:
+def create_app(
+    config: RouterConfig,
+    *,
+    policy: Policy | None = None,
+    transport: Transport | None = None,
+    pipeline_cls: type[Pipeline] = Pipeline,
+    admin_routers: list[Any] | None = None,
+) -> Starlette:
     """Build the router app.
 
     ``pipeline_cls`` and ``admin_routers`` (FastAPI APIRouters) are the plug-in points for later parts.
@@ -86,14 +91,19 @@ def create_app(config: RouterConfig, *, policy: Policy | None = None, transport:
     metrics = RouterMetrics()
     c = config
     transport = transport or make_transport(c.http_client, c.connect_timeout_s, c.read_timeout_s)
-    registry = WorkerRegistry(c.workers, transport, metrics, health_interval_s=c.health_interval_s,
-                              metrics_interval_s=c.metrics_interval_s, unhealthy_after=c.unhealthy_after,
-                              healthy_after=c.healthy_after,
-                              probe_timeout_s=min(c.connect_timeout_s + 1.0, c.health_interval_s + 1.0))
+    registry = WorkerRegistry(
+        c.workers,
+        transport,
+        metrics,
+        health_interval_s=c.health_interval_s,
+        metrics_interval_s=c.metrics_interval_s,
+        unhealthy_after=c.unhealthy_after,
+        healthy_after=c.healthy_after,
+        probe_timeout_s=min(c.connect_timeout_s + 1.0, c.health_interval_s + 1.0),
+    )
     policy = policy or create_policy(config.policy, **config.policy_options)
     forwarder = Forwarder(transport, registry, metrics)
-    pipeline = pipeline_cls(registry, policy, forwarder, metrics, debug_headers=config.debug_headers,
-                            config=config)
+    pipeline = pipeline_cls(registry, policy, forwarder, metrics, debug_headers=config.debug_headers, config=config)
     state = RouterState(config, registry, policy, pipeline, forwarder, transport, metrics)
 
     @contextlib.asynccontextmanager
@@ -114,8 +124,10 @@ def create_app(config: RouterConfig, *, policy: Policy | None = None, transport:
             await transport.aclose()
 
     admin = build_admin_app(state, extra_routers=admin_routers)
-    hot = {"/v1/chat/completions": _generation(state, "/v1/chat/completions", "chat"),
-           "/v1/completions": _generation(state, "/v1/completions", "completion")}
+    hot = {
+        "/v1/chat/completions": _generation(state, "/v1/chat/completions", "chat"),
+        "/v1/completions": _generation(state, "/v1/completions", "completion"),
+    }
     routes = [
         Route("/v1/chat/completions", hot["/v1/chat/completions"], methods=["POST"]),
         Route("/v1/completions", hot["/v1/completions"], methods=["POST"]),
@@ -124,8 +136,7 @@ def create_app(config: RouterConfig, *, policy: Policy | None = None, transport:
         Route("/ready", _ready(state), methods=["GET"]),
         Route("/metrics", _metrics(state), methods=["GET"]),
         Mount("/admin", app=admin),
-        Route("/{path:path}", _passthrough(state),
-              methods=["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"]),
+        Route("/{path:path}", _passthrough(state), methods=["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"]),
     ]
     app = RouterApp(routes=routes, lifespan=lifespan)
     app.hot_paths = hot
@@ -155,6 +166,7 @@ class RouterApp(Starlette):
 
 # ---------------------------------------------------------------------------------------------- routes
 
+
 def _generation(state: RouterState, route: str, kind: str) -> Callable[[Request], Any]:
     limit = state.config.max_body_bytes
 
@@ -170,8 +182,7 @@ def _generation(state: RouterState, route: str, kind: str) -> Callable[[Request]
                 raise model_not_found(model)
             model_label = model
             headers = upstream_headers(request.headers.raw, request_id)
-            ctx = RequestContext(request_id, "POST", route, route, headers, body, data, model, stream,
-                                 http=request)
+            ctx = RequestContext(request_id, "POST", route, route, headers, body, data, model, stream, http=request)
             response = await until_disconnect(request, state.pipeline.handle(ctx))
         except ApiError as exc:
             response = api_error_response(exc, {"x-request-id": request_id})
@@ -180,8 +191,9 @@ def _generation(state: RouterState, route: str, kind: str) -> Callable[[Request]
             response = error_response(499, "client closed the request", "client_closed")
         except Exception:
             log.exception("request %s failed", request_id)
-            response = error_response(500, "internal router error", "internal_error", "server_error",
-                                      {"x-request-id": request_id})
+            response = error_response(
+                500, "internal router error", "internal_error", "server_error", {"x-request-id": request_id}
+            )
         _count(state, route, response.status_code, model_label, t0)
         return response
 
@@ -189,11 +201,26 @@ def _generation(state: RouterState, route: str, kind: str) -> Callable[[Request]
 
 
 #: vLLM's engine-control endpoints: a client of the pool must not reset caches or put engines to sleep.
-CONTROL_PATHS = frozenset({
-    "/reset_prefix_cache", "/reset_mm_cache", "/sleep", "/wake_up", "/is_sleeping", "/collective_rpc",
-    "/start_profile", "/stop_profile", "/scale_elastic_ep", "/is_scaling_elastic_ep", "/pause", "/resume",
-    "/is_paused", "/update_weights", "/init_weight_transfer", "/server_info",
-})
+CONTROL_PATHS = frozenset(
+    {
+        "/reset_prefix_cache",
+        "/reset_mm_cache",
+        "/sleep",
+        "/wake_up",
+        "/is_sleeping",
+        "/collective_rpc",
+        "/start_profile",
+        "/stop_profile",
+        "/scale_elastic_ep",
+        "/is_scaling_elastic_ep",
+        "/pause",
+        "/resume",
+        "/is_paused",
+        "/update_weights",
+        "/init_weight_transfer",
+        "/server_info",
+    }
+)
 
 
 def _passthrough(state: RouterState) -> Callable[[Request], Any]:
@@ -206,16 +233,29 @@ def _passthrough(state: RouterState) -> Callable[[Request], Any]:
         route = "other"
         try:
             if request.url.path.rstrip("/") in CONTROL_PATHS:
-                raise ApiError(404, f"{request.url.path} is an engine-control endpoint and is not proxied; "
-                                    "call the worker directly", "not_proxied", "not_found_error")
+                raise ApiError(
+                    404,
+                    f"{request.url.path} is an engine-control endpoint and is not proxied; call the worker directly",
+                    "not_proxied",
+                    "not_found_error",
+                )
             body = await read_body(request, limit)
             data, model, stream = sniff_passthrough(body)
             if model and not state.registry.knows_model(model):
                 raise model_not_found(model)
             path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
-            ctx = RequestContext(request_id, request.method, path, route,
-                                 upstream_headers(request.headers.raw, request_id), body, data, model or None,
-                                 stream, http=request)
+            ctx = RequestContext(
+                request_id,
+                request.method,
+                path,
+                route,
+                upstream_headers(request.headers.raw, request_id),
+                body,
+                data,
+                model or None,
+                stream,
+                http=request,
+            )
             response = await until_disconnect(request, state.pipeline.handle(ctx))
         except ApiError as exc:
             response = api_error_response(exc, {"x-request-id": request_id})
@@ -240,10 +280,13 @@ def _models(state: RouterState) -> Callable[[Request], Any]:
         for worker in state.registry.all():
             for model in worker.models:
                 card = worker.model_cards.get(model) or {
-                    "id": model, "object": "model", "owned_by": "kvroute", "created": int(state.started_at)}
+                    "id": model,
+                    "object": "model",
+                    "owned_by": "kvroute",
+                    "created": int(state.started_at),
+                }
                 cards.setdefault(model, card)
-        return Response(orjson.dumps({"object": "list", "data": list(cards.values())}),
-                        media_type="application/json")
+        return Response(orjson.dumps({"object": "list", "data": list(cards.values())}), media_type="application/json")
 
     return endpoint
 
@@ -255,8 +298,11 @@ async def _health(request: Request) -> Response:
 def _ready(state: RouterState) -> Callable[[Request], Any]:
     async def endpoint(request: Request) -> Response:
         ok, missing = state.registry.ready(state.expected_models())
-        body = {"ready": ok, "models_without_healthy_worker": missing,
-                "healthy_workers": sum(1 for w in state.registry.all() if w.healthy)}
+        body = {
+            "ready": ok,
+            "models_without_healthy_worker": missing,
+            "healthy_workers": sum(1 for w in state.registry.all() if w.healthy),
+        }
         return Response(orjson.dumps(body), status_code=200 if ok else 503, media_type="application/json")
 
     return endpoint

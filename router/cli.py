@@ -13,9 +13,11 @@ _LOG_LEVELS = {"critical", "error", "warning", "info", "debug", "trace"}
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
-        "serve", help="run the OpenAI-compatible router",
+        "serve",
+        help="run the OpenAI-compatible router",
         description="Run the router. The simplest start: kvroute serve --worker http://127.0.0.1:8100 "
-                    "--worker http://127.0.0.1:8101 (models discovered from each worker's /v1/models).")
+        "--worker http://127.0.0.1:8101 (models discovered from each worker's /v1/models).",
+    )
     add_common_arguments(parser)
     parser.set_defaults(func=run)
     return parser
@@ -24,8 +26,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags ``kvroute serve`` and ``kvroute epp`` share (both run the same router state)."""
     parser.add_argument("--config", metavar="FILE", help="YAML config file (default: $KVROUTE_CONFIG)")
-    parser.add_argument("--worker", metavar="URL", action="append", default=None,
-                        help="worker base URL (repeatable); replaces the config file's worker list")
+    parser.add_argument(
+        "--worker",
+        metavar="URL",
+        action="append",
+        default=None,
+        help="worker base URL (repeatable); replaces the config file's worker list",
+    )
     parser.add_argument("--policy", help="routing policy by name (round_robin, least_load, ...)")
     parser.add_argument("--host", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="port to bind (default 8000)")
@@ -62,30 +69,41 @@ def load_checked(args: argparse.Namespace, prog: str) -> Any:
     from kvroute.policies import available_policies
 
     if config.policy not in available_policies():
-        print(f"{prog}: invalid configuration: policy: unknown policy {config.policy!r}; "
-              f"available: {', '.join(available_policies())}", file=sys.stderr)
+        print(
+            f"{prog}: invalid configuration: policy: unknown policy {config.policy!r}; "
+            f"available: {', '.join(available_policies())}",
+            file=sys.stderr,
+        )
         return 2
     if config.log_level.lower() not in _LOG_LEVELS:
-        print(f"{prog}: invalid configuration: log_level: {config.log_level!r} is not one of "
-              f"{', '.join(sorted(_LOG_LEVELS))}", file=sys.stderr)
+        print(
+            f"{prog}: invalid configuration: log_level: {config.log_level!r} is not one of "
+            f"{', '.join(sorted(_LOG_LEVELS))}",
+            file=sys.stderr,
+        )
         return 2
     if not config.workers:
-        print(f"{prog}: no workers configured (use --worker URL or a config file); "
-              "workers can also be added later with POST /admin/workers", file=sys.stderr)
+        print(
+            f"{prog}: no workers configured (use --worker URL or a config file); "
+            "workers can also be added later with POST /admin/workers",
+            file=sys.stderr,
+        )
     return config
 
 
 def setup_logging(level: str) -> None:
-    logging.basicConfig(level="DEBUG" if level == "trace" else level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level="DEBUG" if level == "trace" else level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     return run_router(args, "kvroute serve")
 
 
-def run_router(args: argparse.Namespace, prog: str, *, loop: str = "uvloop",
-               attach: Callable[[Any, Any], None] | None = None) -> int:
+def run_router(
+    args: argparse.Namespace, prog: str, *, loop: str = "uvloop", attach: Callable[[Any, Any], None] | None = None
+) -> int:
     """Validate the config, build the router app, let ``attach(app, config)`` add to it (the EPP's gRPC
     server), and serve it until stopped. Shared by ``kvroute serve`` and ``kvroute epp``."""
     config = load_checked(args, prog)
@@ -107,6 +125,15 @@ def run_router(args: argparse.Namespace, prog: str, *, loop: str = "uvloop",
         return 2
     if attach is not None:
         attach(app, config)
-    uvicorn.run(app, host=config.host, port=config.port, loop=loop, http="httptools",
-                log_level=level, access_log=False, server_header=False, proxy_headers=False)
+    uvicorn.run(
+        app,
+        host=config.host,
+        port=config.port,
+        loop=loop,
+        http="httptools",
+        log_level=level,
+        access_log=False,
+        server_header=False,
+        proxy_headers=False,
+    )
     return 0

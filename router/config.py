@@ -31,8 +31,7 @@ class WorkerConfig(_Strict):
 
     url: str = Field(description="Base URL of the worker's OpenAI server, e.g. http://10.0.0.5:8000")
     id: str | None = Field(default=None, description="Stable name; defaults to host:port of the URL")
-    models: list[str] = Field(default_factory=list,
-        description="Served models; empty = discover from /v1/models")
+    models: list[str] = Field(default_factory=list, description="Served models; empty = discover from /v1/models")
     role: Role = "both"
     kv_events: str | None = Field(
         default=None,
@@ -42,8 +41,7 @@ class WorkerConfig(_Strict):
     )
     kv_events_topic: str = Field(default="", description="Topic the worker publishes under")
     replay: str | None = Field(default=None, description="ZMQ endpoint of the worker's replay ROUTER socket")
-    p2p_host: str | None = Field(default=None,
-        description="Host peers use for P2P lookups (default: URL host)")
+    p2p_host: str | None = Field(default=None, description="Host peers use for P2P lookups (default: URL host)")
     p2p_port: int = Field(default=5710, ge=1, le=65535, description="P2P control port base (+ DP rank)")
     dp_size: int = Field(default=1, ge=1, le=1024)
 
@@ -75,25 +73,24 @@ class ModelConfig(_Strict):
 
     name: str
     tokenizer: str | None = Field(default=None, description="Folder or tokenizer.json for local tokenization")
-    chat_template: str | None = Field(default=None,
-        description="Jinja chat template file (default: from the folder)")
+    chat_template: str | None = Field(default=None, description="Jinja chat template file (default: from the folder)")
     block_size: int | None = Field(default=None, ge=1, le=4096, description="Default: learnt from events")
     #: Cost-model parameters (DESIGN §7); calibrated online from observed TTFTs.
     prefill_tokens_per_s: float = Field(default=10_000.0, gt=0)
-    attention_coeff_s: float = Field(default=0.0, ge=0,
-        description="Extra prefill seconds per token per 1k context")
-    bytes_per_token: int = Field(default=131_072, gt=0,
-        description="2 x layers x kv_heads x head_dim x dtype")
-    transfer_per_block_s: float = Field(default=0.0, ge=0,
-        description="KV-transfer cost per block beyond bytes/bandwidth (NIXL: layers x 2 descriptors)")
+    attention_coeff_s: float = Field(default=0.0, ge=0, description="Extra prefill seconds per token per 1k context")
+    bytes_per_token: int = Field(default=131_072, gt=0, description="2 x layers x kv_heads x head_dim x dtype")
+    transfer_per_block_s: float = Field(
+        default=0.0,
+        ge=0,
+        description="KV-transfer cost per block beyond bytes/bandwidth (NIXL: layers x 2 descriptors)",
+    )
 
 
 class IndexConfig(_Strict):
     backend: Literal["memory", "redis"] = "memory"
     redis_url: str = "redis://127.0.0.1:6379/0"
     redis_prefix: str = "kvr"
-    block_ttl_s: int = Field(default=3600, ge=0,
-        description="Safety-net TTL for entries whose removal was lost")
+    block_ttl_s: int = Field(default=3600, ge=0, description="Safety-net TTL for entries whose removal was lost")
     subscribe: bool = Field(default=True, description="Run the event subscribers in this process")
     events_bind: str | None = Field(
         default=None, description="Bind one SUB socket here for workers that connect (vLLM tcp://host:port)"
@@ -109,13 +106,14 @@ class PoolConfig(_Strict):
         description="none: aggregated only; p2p: vLLM>=0.27 offloading tier keys; nixl: two-leg pull P/D",
     )
     client_kv_params: Literal["strip", "refuse"] = "strip"
-    conversation_ttl_s: float = Field(default=420.0, gt=0,
-        description="Kept below the decoder's 480 s retention")
+    conversation_ttl_s: float = Field(default=420.0, gt=0, description="Kept below the decoder's 480 s retention")
     kv_recompute_threshold: int = Field(default=64, ge=0)
-    link_bytes_per_s: float | None = Field(default=None, gt=0,
-        description="KV bandwidth between workers (default: the kvaware policy's, 12.5 GB/s)")
-    transfer_setup_s: float | None = Field(default=None, ge=0,
-        description="Fixed cost of one KV transfer between workers (default: the policy's, 0)")
+    link_bytes_per_s: float | None = Field(
+        default=None, gt=0, description="KV bandwidth between workers (default: the kvaware policy's, 12.5 GB/s)"
+    )
+    transfer_setup_s: float | None = Field(
+        default=None, ge=0, description="Fixed cost of one KV transfer between workers (default: the policy's, 0)"
+    )
 
 
 class RouterConfig(_Strict):
@@ -136,12 +134,15 @@ class RouterConfig(_Strict):
     unhealthy_after: int = Field(default=2, ge=1, description="Failed probes before a worker is marked down")
     healthy_after: int = Field(default=1, ge=1, description="Good probes before a down worker is marked up")
     http_client: Literal["auto", "httpx", "aiohttp"] = Field(
-        default="auto", description="Upstream HTTP client; auto = aiohttp when installed (see benchmarks)")
-    gc_gen0_threshold: int = Field(default=50_000, ge=0,
+        default="auto", description="Upstream HTTP client; auto = aiohttp when installed (see benchmarks)"
+    )
+    gc_gen0_threshold: int = Field(
+        default=50_000,
+        ge=0,
         description="After start-up: freeze the heap and set Python's young-generation GC threshold "
-                    "(0 = leave the garbage collector as it is)")
-    debug_headers: bool = Field(default=False,
-        description="Allow X-KVRoute-Debug: 1 to return the chosen plan")
+        "(0 = leave the garbage collector as it is)",
+    )
+    debug_headers: bool = Field(default=False, description="Allow X-KVRoute-Debug: 1 to return the chosen plan")
     log_level: str = "info"
 
     @model_validator(mode="after")
@@ -174,7 +175,7 @@ def _env_overrides(environ: dict[str, str]) -> dict[str, Any]:
     for name, raw in environ.items():
         if not name.startswith("KVROUTE_") or name == "KVROUTE_CONFIG":
             continue
-        path = name[len("KVROUTE_"):].lower().split("__")
+        path = name[len("KVROUTE_") :].lower().split("__")
         try:
             value: Any = json.loads(raw)
         except ValueError:
@@ -196,8 +197,11 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def load_config(path: str | os.PathLike[str] | None = None, overrides: dict[str, Any] | None = None,
-                environ: dict[str, str] | None = None) -> RouterConfig:
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    overrides: dict[str, Any] | None = None,
+    environ: dict[str, str] | None = None,
+) -> RouterConfig:
     """Build the config from a YAML file, the environment and CLI overrides (highest precedence)."""
     environ = dict(os.environ if environ is None else environ)
     data: dict[str, Any] = {}

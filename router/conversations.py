@@ -85,9 +85,14 @@ class ConversationEntry:
     def from_json(cls, raw: bytes | str) -> ConversationEntry:
         try:
             data = orjson.loads(raw)
-            return cls(worker_id=str(data["worker_id"]), kv_transfer_params=dict(data["kv_transfer_params"]),
-                       tokens=int(data.get("tokens", 0)), last_block_key=data.get("last_block_key"),
-                       blocks=int(data.get("blocks", 0)), stored_at=float(data.get("stored_at", 0.0)))
+            return cls(
+                worker_id=str(data["worker_id"]),
+                kv_transfer_params=dict(data["kv_transfer_params"]),
+                tokens=int(data.get("tokens", 0)),
+                last_block_key=data.get("last_block_key"),
+                blocks=int(data.get("blocks", 0)),
+                stored_at=float(data.get("stored_at", 0.0)),
+            )
         except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
             raise ConversationError(f"corrupt conversation entry: {exc}") from None
 
@@ -100,9 +105,14 @@ class ConversationEntry:
         return self.blocks * block_size
 
 
-def entry_from_turn(worker_id: str, response: Any, prompt_block_keys: Sequence[int], prompt_tokens: int,
-                    completion_tokens: int = 0,
-                    now: Callable[[], float] = time.time) -> ConversationEntry | None:
+def entry_from_turn(
+    worker_id: str,
+    response: Any,
+    prompt_block_keys: Sequence[int],
+    prompt_tokens: int,
+    completion_tokens: int = 0,
+    now: Callable[[], float] = time.time,
+) -> ConversationEntry | None:
     """The entry a finished turn leaves, or None when the decoder returned nothing reusable.
 
     ``response`` is the decoder's final JSON answer; a streamed answer (bytes, or a dict without
@@ -112,9 +122,14 @@ def entry_from_turn(worker_id: str, response: Any, prompt_block_keys: Sequence[i
     params = conversation_params_from_response(response)
     if params is None or not prompt_block_keys:
         return None
-    return ConversationEntry(worker_id=worker_id, kv_transfer_params=params,
-                             tokens=prompt_tokens + completion_tokens, last_block_key=prompt_block_keys[-1],
-                             blocks=len(prompt_block_keys), stored_at=now())
+    return ConversationEntry(
+        worker_id=worker_id,
+        kv_transfer_params=params,
+        tokens=prompt_tokens + completion_tokens,
+        last_block_key=prompt_block_keys[-1],
+        blocks=len(prompt_block_keys),
+        stored_at=now(),
+    )
 
 
 class ConversationStore(ABC):
@@ -142,8 +157,13 @@ class ConversationStore(ABC):
 class MemoryConversationStore(ConversationStore):
     """One process; bounded (oldest entries dropped first) so a flood of ids cannot exhaust memory."""
 
-    def __init__(self, ttl_s: float = 420.0, retention_s: float = DECODER_RETENTION_S,
-                 max_entries: int = 100_000, now: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        ttl_s: float = 420.0,
+        retention_s: float = DECODER_RETENTION_S,
+        max_entries: int = 100_000,
+        now: Callable[[], float] = time.monotonic,
+    ) -> None:
         super().__init__(ttl_s, retention_s)
         self.max_entries = max_entries
         self.now = now
@@ -180,8 +200,9 @@ class MemoryConversationStore(ConversationStore):
 class RedisConversationStore(ConversationStore):
     """Shared by router replicas. Keys ``{prefix}:conv:{id}`` with a PX expiry; take is ``GETDEL``."""
 
-    def __init__(self, url: str, ttl_s: float = 420.0, retention_s: float = DECODER_RETENTION_S,
-                 prefix: str = "kvr") -> None:
+    def __init__(
+        self, url: str, ttl_s: float = 420.0, retention_s: float = DECODER_RETENTION_S, prefix: str = "kvr"
+    ) -> None:
         super().__init__(ttl_s, retention_s)
         import redis.asyncio as aioredis
 

@@ -26,16 +26,23 @@ HEALTH_INTERVAL_S = 1.0
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
-        "epp", help="run as a Gateway API Inference Extension Endpoint Picker (Envoy ext_proc)",
+        "epp",
+        help="run as a Gateway API Inference Extension Endpoint Picker (Envoy ext_proc)",
         description="Pick endpoints for Envoy (ext_proc gRPC on --grpc-port) with kvroute's index and policies; "
-                    "metrics, admin and readiness stay on the HTTP --port. See docs/epp.md.")
+        "metrics, admin and readiness stay on the HTTP --port. See docs/epp.md.",
+    )
     add_common_arguments(parser)
     parser.add_argument("--grpc-host", default=None, help="address of the ext_proc server (default: --host)")
-    parser.add_argument("--grpc-port", type=int, default=DEFAULT_GRPC_PORT,
-                        help=f"ext_proc gRPC port (default {DEFAULT_GRPC_PORT})")
-    parser.add_argument("--body-mode", choices=["full_duplex_streamed", "buffered"], default="full_duplex_streamed",
-                        help="Envoy's request/response body mode when its protocol_config does not say "
-                             "(default full_duplex_streamed, as the Inference Extension configures Envoy)")
+    parser.add_argument(
+        "--grpc-port", type=int, default=DEFAULT_GRPC_PORT, help=f"ext_proc gRPC port (default {DEFAULT_GRPC_PORT})"
+    )
+    parser.add_argument(
+        "--body-mode",
+        choices=["full_duplex_streamed", "buffered"],
+        default="full_duplex_streamed",
+        help="Envoy's request/response body mode when its protocol_config does not say "
+        "(default full_duplex_streamed, as the Inference Extension configures Envoy)",
+    )
     parser.set_defaults(func=run)
     return parser
 
@@ -60,8 +67,7 @@ class GrpcEpp:
         endpoints = Endpoints()
         await endpoints.refresh(w.url for w in state.registry.all())
         self.server = grpc.aio.server()
-        pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(state, self.options, endpoints),
-                                                        self.server)
+        pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(state, self.options, endpoints), self.server)
         health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health, self.server)
         bound = self.server.add_insecure_port(f"{self.host}:{self.port}")
@@ -103,15 +109,23 @@ class GrpcEpp:
             await self.server.stop(grace=2.0)  # in-flight streams get a moment to finish
 
 
-def attach_epp(app: Any, *, host: str, port: int = DEFAULT_GRPC_PORT, body_mode: str = "full_duplex_streamed",
-               max_body_bytes: int | None = None) -> GrpcEpp:
+def attach_epp(
+    app: Any,
+    *,
+    host: str,
+    port: int = DEFAULT_GRPC_PORT,
+    body_mode: str = "full_duplex_streamed",
+    max_body_bytes: int | None = None,
+) -> GrpcEpp:
     """Run the ext_proc server within ``app``'s lifespan (``app`` from build_app); returns it (its
     ``port`` is the bound one once started, useful with port 0)."""
     from kvroute.router.extproc import BUFFERED, FULL_DUPLEX, EppOptions
 
     state = app.state.kvroute
-    options = EppOptions(body_mode=BUFFERED if body_mode == "buffered" else FULL_DUPLEX,
-                         max_body_bytes=max_body_bytes or state.config.max_body_bytes)
+    options = EppOptions(
+        body_mode=BUFFERED if body_mode == "buffered" else FULL_DUPLEX,
+        max_body_bytes=max_body_bytes or state.config.max_body_bytes,
+    )
     epp = GrpcEpp(host, port, options)
     state.on_startup.append(epp.start)
     state.on_shutdown.append(epp.stop)

@@ -25,8 +25,7 @@ _TYPES = {
 class ApiError(Exception):
     """Raised anywhere in request handling; the app turns it into a JSON error response."""
 
-    def __init__(self, status: int, message: str, code: str | None = None,
-                 err_type: str | None = None) -> None:
+    def __init__(self, status: int, message: str, code: str | None = None, err_type: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -35,14 +34,21 @@ class ApiError(Exception):
 
 
 def error_body(status: int, message: str, code: str | None = None, err_type: str | None = None) -> bytes:
-    return orjson.dumps({"error": {"message": message, "type": err_type or _TYPES.get(status, "server_error"),
-                                   "code": code}})
+    return orjson.dumps(
+        {"error": {"message": message, "type": err_type or _TYPES.get(status, "server_error"), "code": code}}
+    )
 
 
-def error_response(status: int, message: str, code: str | None = None, err_type: str | None = None,
-                   headers: dict[str, str] | None = None) -> Response:
-    return Response(error_body(status, message, code, err_type), status_code=status,
-                    media_type="application/json", headers=headers)
+def error_response(
+    status: int,
+    message: str,
+    code: str | None = None,
+    err_type: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> Response:
+    return Response(
+        error_body(status, message, code, err_type), status_code=status, media_type="application/json", headers=headers
+    )
 
 
 def api_error_response(exc: ApiError, headers: dict[str, str] | None = None) -> Response:

@@ -25,8 +25,11 @@ class ExplainBody(BaseModel):
 def explain_router() -> APIRouter:
     router = APIRouter(tags=["routing"])
 
-    @router.post("/route/explain", dependencies=[Depends(require_admin)],
-                 summary="Dry-run the routing decision: every candidate plan, its cost breakdown, the choice")
+    @router.post(
+        "/route/explain",
+        dependencies=[Depends(require_admin)],
+        summary="Dry-run the routing decision: every candidate plan, its cost breakdown, the choice",
+    )
     async def explain(body: ExplainBody, request: Request) -> dict[str, Any]:
         state = state_of(request)
         data = body.model_dump(exclude_none=True)
@@ -52,13 +55,18 @@ def explain_router() -> APIRouter:
         return {
             "policy": pipeline.policy.name,
             "facts": {
-                "prompt_tokens": facts.prompt_tokens, "block_size": facts.block_size,
-                "matches": {w: {"blocks": m.blocks, "gpu": m.gpu, "cpu": m.cpu, "storage": m.storage,
-                                "remote": m.remote} for w, m in facts.matches.items()},
+                "prompt_tokens": facts.prompt_tokens,
+                "block_size": facts.block_size,
+                "matches": {
+                    w: {"blocks": m.blocks, "gpu": m.gpu, "cpu": m.cpu, "storage": m.storage, "remote": m.remote}
+                    for w, m in facts.matches.items()
+                },
                 "latency_class": facts.latency_class,
             },
-            "workers": [{"id": v.id, "role": v.role, "load": v.load, "inflight": v.inflight,
-                         "kv_usage": v.kv_usage} for v in views],
+            "workers": [
+                {"id": v.id, "role": v.role, "load": v.load, "inflight": v.inflight, "kv_usage": v.kv_usage}
+                for v in views
+            ],
             "plan": plan.to_dict(),
         }
 

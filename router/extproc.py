@@ -58,8 +58,7 @@ BUFFERED = processing_mode_pb2.ProcessingMode.BUFFERED
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 #: Request headers that describe the HTTP/2 exchange, not the request: never given to the pipeline.
-_PSEUDO_OR_HOP = frozenset({"content-length", "transfer-encoding", "connection", "keep-alive", "te", "upgrade",
-                            "host"})
+_PSEUDO_OR_HOP = frozenset({"content-length", "transfer-encoding", "connection", "keep-alive", "te", "upgrade", "host"})
 
 
 def endpoint_of(url: str) -> str:
@@ -115,8 +114,9 @@ def _is_ip(host: str) -> bool:
 
 
 def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
-    return base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
-                                      append_action=_OVERWRITE)
+    return base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(key=key, raw_value=value.encode()), append_action=_OVERWRITE
+    )
 
 
 def _continue_headers() -> pb.ProcessingResponse:
@@ -125,11 +125,17 @@ def _continue_headers() -> pb.ProcessingResponse:
 
 def immediate(exc: ApiError, request_id: str) -> pb.ProcessingResponse:
     """The whole HTTP answer, sent by Envoy instead of calling any worker."""
-    headers = pb.HeaderMutation(set_headers=[_header("content-type", "application/json"),
-                                             _header("x-request-id", request_id)])
-    return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
-        status=http_status_pb2.HttpStatus(code=exc.status), headers=headers,
-        body=error_body(exc.status, exc.message, exc.code, exc.err_type), details=exc.code or "kvroute_epp"))
+    headers = pb.HeaderMutation(
+        set_headers=[_header("content-type", "application/json"), _header("x-request-id", request_id)]
+    )
+    return pb.ProcessingResponse(
+        immediate_response=pb.ImmediateResponse(
+            status=http_status_pb2.HttpStatus(code=exc.status),
+            headers=headers,
+            body=error_body(exc.status, exc.message, exc.code, exc.err_type),
+            details=exc.code or "kvroute_epp",
+        )
+    )
 
 
 @dataclass(slots=True)
@@ -236,9 +242,16 @@ class Exchange:
             return await self._route(b"", in_headers=True)
         if self.request_mode not in (FULL_DUPLEX, BUFFERED):
             mode = processing_mode_pb2.ProcessingMode.BodySendMode.Name(self.request_mode)
-            return [immediate(ApiError(500, f"kvroute epp needs request_body_mode FULL_DUPLEX_STREAMED or "
-                                            f"BUFFERED (Envoy sent {mode})", "epp_misconfigured"),
-                              self.request_id)]
+            return [
+                immediate(
+                    ApiError(
+                        500,
+                        f"kvroute epp needs request_body_mode FULL_DUPLEX_STREAMED or BUFFERED (Envoy sent {mode})",
+                        "epp_misconfigured",
+                    ),
+                    self.request_id,
+                )
+            ]
         if self.request_mode == BUFFERED:
             return [_continue_headers()]  # Envoy waits for this before it sends the buffered body
         return []  # full duplex: the headers answer goes out with the body, once the pick is made
@@ -246,9 +259,16 @@ class Exchange:
     async def _request_body(self, msg: pb.HttpBody) -> list[pb.ProcessingResponse]:
         self.size += len(msg.body)
         if self.size > self.options.max_body_bytes:
-            return [immediate(ApiError(413, f"request body is larger than the limit of "
-                                            f"{self.options.max_body_bytes} bytes", "request_too_large"),
-                              self.request_id)]
+            return [
+                immediate(
+                    ApiError(
+                        413,
+                        f"request body is larger than the limit of {self.options.max_body_bytes} bytes",
+                        "request_too_large",
+                    ),
+                    self.request_id,
+                )
+            ]
         self.chunks.append(msg.body)
         if not msg.end_of_stream:
             return []
@@ -265,8 +285,9 @@ class Exchange:
         except Exception:
             log.exception("request %s: the endpoint pick failed", self.request_id)
             self._count(500, "-")
-            return [immediate(ApiError(500, "internal router error", "internal_error", "server_error"),
-                              self.request_id)]
+            return [
+                immediate(ApiError(500, "internal router error", "internal_error", "server_error"), self.request_id)
+            ]
         self.pick = pick
         self.state.registry.acquire(pick.worker_id)
         meta = struct_pb2.Struct()
@@ -274,18 +295,20 @@ class Exchange:
         set_headers = [_header(DESTINATION_KEY, pick.endpoint), _header("x-request-id", self.request_id)]
         if in_headers:
             common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=set_headers))
-            return [pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common),
-                                          dynamic_metadata=meta)]
+            return [pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common), dynamic_metadata=meta)]
         if self.request_mode == FULL_DUPLEX or pick.body_changed:
             set_headers.append(_header("content-length", str(len(pick.body))))
         mutation = pb.HeaderMutation(set_headers=set_headers)
         if self.request_mode == FULL_DUPLEX:
             # Envoy forwards nothing of the body by itself in this mode: the picker sends it all back.
             body = pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(body=pick.body, end_of_stream=True))
-            return [pb.ProcessingResponse(request_headers=pb.HeadersResponse(
-                        response=pb.CommonResponse(header_mutation=mutation)), dynamic_metadata=meta),
-                    pb.ProcessingResponse(request_body=pb.BodyResponse(
-                        response=pb.CommonResponse(body_mutation=body)))]
+            return [
+                pb.ProcessingResponse(
+                    request_headers=pb.HeadersResponse(response=pb.CommonResponse(header_mutation=mutation)),
+                    dynamic_metadata=meta,
+                ),
+                pb.ProcessingResponse(request_body=pb.BodyResponse(response=pb.CommonResponse(body_mutation=body))),
+            ]
         common = pb.CommonResponse(header_mutation=mutation)
         if pick.body_changed:
             common.body_mutation.body = pick.body
@@ -299,8 +322,12 @@ class Exchange:
         path = self.headers.get(":path", "/")
         bare = path.split("?", 1)[0]
         if bare.rstrip("/") in CONTROL_PATHS:
-            raise ApiError(404, f"{bare} is an engine-control endpoint and is not routed; call the worker "
-                                "directly", "not_proxied", "not_found_error")
+            raise ApiError(
+                404,
+                f"{bare} is an engine-control endpoint and is not routed; call the worker directly",
+                "not_proxied",
+                "not_found_error",
+            )
         data: dict[str, Any] | None = None
         model: str | None = None
         stream = False
@@ -313,20 +340,26 @@ class Exchange:
             data, model, stream = sniff_passthrough(body)
         if model and not state.registry.knows_model(model):
             raise model_not_found(model)
-        headers = [("x-request-id", self.request_id),
-                   *((k.decode("latin-1"), v.decode("latin-1")) for k, v in self.raw_headers if k != b"x-request-id")]
+        headers = [
+            ("x-request-id", self.request_id),
+            *((k.decode("latin-1"), v.decode("latin-1")) for k, v in self.raw_headers if k != b"x-request-id"),
+        ]
         scope = {"type": "http", "method": method, "path": bare, "headers": self.raw_headers, "query_string": b""}
-        ctx = RequestContext(self.request_id, method, path, route, headers, body, data, model, stream,
-                             http=Request(scope))
+        ctx = RequestContext(
+            self.request_id, method, path, route, headers, body, data, model, stream, http=Request(scope)
+        )
         try:
             plan = await self.pipeline.decide(ctx, exclude=self._excluded())
         except ApiError as exc:
             split = [v.id for v in state.registry.views(model) if v.role != "both"]
             if exc.code == "no_healthy_worker" and split:
-                raise ApiError(503, f"no worker can serve this request alone: {', '.join(sorted(split))} are "
-                                    "prefill/decode-only, and a prefill/decode split needs two legs, which one "
-                                    "endpoint pick cannot carry out (use kvroute serve for such pools)",
-                               "unroutable_plan") from None
+                raise ApiError(
+                    503,
+                    f"no worker can serve this request alone: {', '.join(sorted(split))} are "
+                    "prefill/decode-only, and a prefill/decode split needs two legs, which one "
+                    "endpoint pick cannot carry out (use kvroute serve for such pools)",
+                    "unroutable_plan",
+                ) from None
             raise
         return self._carry_out(ctx, plan, body)
 
@@ -334,27 +367,40 @@ class Exchange:
         """Workers this pick must not name: unable to serve a request alone (a prefill-only or decode-only
         role: their plans need two legs), or outside Envoy's subset hint."""
         allowed = set(self.subset) if self.subset is not None else None
-        return {w.id for w in self.state.registry.all()
-                if w.config.role != "both" or (allowed is not None and self.endpoints.of(w.url) not in allowed)}
+        return {
+            w.id
+            for w in self.state.registry.all()
+            if w.config.role != "both" or (allowed is not None and self.endpoints.of(w.url) not in allowed)
+        }
 
     def _carry_out(self, ctx: RequestContext, plan: RoutePlan, original: bytes) -> Pick:
         pipeline = self.pipeline
         worker_id, body = plan.prefill, ctx.body
         if plan.disaggregated:  # cannot happen with single-role candidates; refuse rather than half-do it
-            raise ApiError(503, "the routing plan needs two legs (prefill/decode), which one endpoint pick "
-                                "cannot carry out", "unroutable_plan")
+            raise ApiError(
+                503,
+                "the routing plan needs two legs (prefill/decode), which one endpoint pick cannot carry out",
+                "unroutable_plan",
+            )
         if isinstance(pipeline.executor_for(ctx, plan), FlowExecutor):
             assert ctx.json is not None
             views = {v.id: v for v in pipeline.registry.views(ctx.model)}
             try:
-                flow = build_flow(ctx.json, plan, views, protocol=pipeline.kv.protocol,  # type: ignore[arg-type]
-                                  request_id=ctx.request_id)
+                flow = build_flow(
+                    ctx.json,
+                    plan,
+                    views,
+                    protocol=pipeline.kv.protocol,  # type: ignore[arg-type]
+                    request_id=ctx.request_id,
+                )
             except KVParamsError as exc:
-                raise ApiError(503, f"the routing plan cannot be carried out on this pool: {exc}",
-                               "unroutable_plan") from None
+                raise ApiError(
+                    503, f"the routing plan cannot be carried out on this pool: {exc}", "unroutable_plan"
+                ) from None
             if flow.prefill is not None or flow.final is None:
-                raise ApiError(503, "the routing plan needs two legs, which one endpoint pick cannot carry out",
-                               "unroutable_plan")
+                raise ApiError(
+                    503, "the routing plan needs two legs, which one endpoint pick cannot carry out", "unroutable_plan"
+                )
             worker_id, body = flow.final.worker_id, orjson.dumps(flow.final.body)
         worker = pipeline.registry.get(worker_id)
         if worker is None:
@@ -388,8 +434,13 @@ class Exchange:
             self.finish(ok=200 <= self.status < 400)
         if self.response_mode == FULL_DUPLEX:  # every chunk passes through the picker: hand it back untouched
             passed = pb.StreamedBodyResponse(body=msg.body, end_of_stream=msg.end_of_stream)
-            return [pb.ProcessingResponse(response_body=pb.BodyResponse(
-                response=pb.CommonResponse(body_mutation=pb.BodyMutation(streamed_response=passed))))]
+            return [
+                pb.ProcessingResponse(
+                    response_body=pb.BodyResponse(
+                        response=pb.CommonResponse(body_mutation=pb.BodyMutation(streamed_response=passed))
+                    )
+                )
+            ]
         return [pb.ProcessingResponse(response_body=pb.BodyResponse())]
 
     def finish(self, *, ok: bool) -> None:
@@ -403,8 +454,9 @@ class Exchange:
         usage = self.sniffer.usage if self.sse else usage_of(b"".join(self.answer))
         worker_id = pick.worker_id
         if self.served and self.served != pick.endpoint:  # Envoy fell back to another endpoint
-            worker_id = next((w.id for w in self.state.registry.all() if self.endpoints.of(w.url) == self.served),
-                             worker_id)
+            worker_id = next(
+                (w.id for w in self.state.registry.all() if self.endpoints.of(w.url) == self.served), worker_id
+            )
         self.pipeline.report(pick.ctx, pick.plan, Result(worker_id, self.status, self.ttfb_s, usage, ok))
         self._count(self.status or 499, pick.ctx.model or "-")  # 499: no answer seen
 
@@ -417,14 +469,18 @@ class Exchange:
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     """``envoy.service.ext_proc.v3.ExternalProcessor``: one :class:`Exchange` per stream."""
 
-    def __init__(self, state: RouterState, options: EppOptions | None = None,
-                 endpoints: Endpoints | None = None) -> None:
+    def __init__(
+        self, state: RouterState, options: EppOptions | None = None, endpoints: Endpoints | None = None
+    ) -> None:
         self.state = state
         self.options = options or EppOptions()
         self.endpoints = endpoints or Endpoints()
 
-    async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest],  # the gRPC method's name
-                      context: Any) -> AsyncIterator[pb.ProcessingResponse]:
+    async def Process(
+        self,
+        request_iterator: AsyncIterator[pb.ProcessingRequest],  # the gRPC method's name
+        context: Any,
+    ) -> AsyncIterator[pb.ProcessingResponse]:
         mode = self.options.body_mode
         exchange = Exchange(self.state, self.options, self.endpoints, request_mode=mode, response_mode=mode)
         try:

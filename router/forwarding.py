@@ -26,8 +26,22 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 #: Never forwarded in either direction (RFC 9110 §7.6.1 hop-by-hop, plus what the server recomputes).
-_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
-                  "te", "trailer", "trailers", "transfer-encoding", "upgrade", "host", "content-length"})
+_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+    }
+)
 _HOP_RESPONSE = _HOP | {"date", "server"}
 _MAX_PENDING = 1 << 20
 
@@ -92,8 +106,7 @@ class RawResponse(Response):
 class RawStreamingResponse(StreamingResponse):
     """Streams an async iterator with pre-encoded headers (chunked transfer)."""
 
-    def __init__(self, content: AsyncIterator[bytes], status: int,
-                 raw_headers: list[tuple[bytes, bytes]]) -> None:
+    def __init__(self, content: AsyncIterator[bytes], status: int, raw_headers: list[tuple[bytes, bytes]]) -> None:
         self.body_iterator = content
         self.status_code = status
         self.background = None
@@ -115,7 +128,7 @@ class UsageSniffer:
         if cut < 0:
             self._pending = data if len(data) < _MAX_PENDING else b""
             return
-        self._pending = data[cut + 1:]
+        self._pending = data[cut + 1 :]
         if len(self._pending) >= _MAX_PENDING:
             self._pending = b""
         complete = data[:cut]
@@ -166,8 +179,9 @@ class Forwarder:
         self.registry = registry
         self.metrics = metrics
 
-    async def open(self, worker_id: str, method: str, path: str, headers: list[tuple[str, str]], body: bytes,
-                   started: float) -> Opened:
+    async def open(
+        self, worker_id: str, method: str, path: str, headers: list[tuple[str, str]], body: bytes, started: float
+    ) -> Opened:
         """Send and wait for the first bytes; UpstreamError only happens before any byte left for us."""
         state = self.registry.get(worker_id)
         if state is None:
@@ -197,8 +211,9 @@ class Forwarder:
             raise
         return Opened(worker_id, upstream, first, rest, time.perf_counter() - started)
 
-    def respond(self, opened: Opened, request_id: str, done: Done,
-                extra_headers: list[tuple[bytes, bytes]] | None = None) -> Response:
+    def respond(
+        self, opened: Opened, request_id: str, done: Done, extra_headers: list[tuple[bytes, bytes]] | None = None
+    ) -> Response:
         """The client's response; ``done`` runs once, when the last byte went out (or the client left)."""
         headers = response_headers(opened.upstream.headers, request_id)
         if extra_headers:
@@ -226,8 +241,11 @@ class Forwarder:
             # uses for errors inside a stream (no [DONE]), so the client knows it is incomplete.
             self.metrics.upstream_errors.labels(opened.worker_id, exc.kind).inc()
             log.warning("worker %s broke a stream: %s", opened.worker_id, exc)
-            yield b"data: " + error_body(502, f"the worker failed in the middle of the stream ({exc.kind})",
-                                         "upstream_error") + b"\n\n"
+            yield (
+                b"data: "
+                + error_body(502, f"the worker failed in the middle of the stream ({exc.kind})", "upstream_error")
+                + b"\n\n"
+            )
         finally:
             # Shielded: on a client disconnect the task is being cancelled, and the close must still happen
             # (it is what aborts the worker's generation).

@@ -51,8 +51,12 @@ def _bearer(token: str | None) -> Callable[[Request], Awaitable[None]]:
             return
         scheme, _, value = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), token.encode()):
-            raise HTTPException(401, "admin endpoints need 'Authorization: Bearer <admin token>'",
-                                headers={"WWW-Authenticate": "Bearer"})
+            raise HTTPException(
+                401,
+                "admin endpoints need 'Authorization: Bearer <admin token>'",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+
     return check
 
 
@@ -68,16 +72,13 @@ def _parse_key(raw: str) -> int:
     try:
         key = int(raw, 16) if raw.lower().startswith("0x") else int(raw)
     except ValueError:
-        raise HTTPException(
-            400, f"block key must be a decimal or 0x-hex 64-bit integer, got {raw[:40]!r}"
-        ) from None
+        raise HTTPException(400, f"block key must be a decimal or 0x-hex 64-bit integer, got {raw[:40]!r}") from None
     if not 0 <= key < 1 << 64:
         raise HTTPException(400, "block key must fit in 64 bits")
     return key
 
 
-def index_admin_router(indexer: KVIndexer, token: str | None = None,
-                       tokenize: Tokenize | None = None) -> APIRouter:
+def index_admin_router(indexer: KVIndexer, token: str | None = None, tokenize: Tokenize | None = None) -> APIRouter:
     """The index admin API over ``indexer``; ``tokenize`` enables ``prompt``/``messages`` lookups."""
     router = APIRouter(tags=["index"])
     guarded = [Depends(_bearer(token))]
@@ -93,8 +94,11 @@ def index_admin_router(indexer: KVIndexer, token: str | None = None,
             raise HTTPException(404, f"unknown worker {worker_id!r}")
         return info
 
-    @router.delete("/index/workers/{worker_id}", dependencies=guarded,
-                   summary="Forget every block of a worker (all its data-parallel ranks)")
+    @router.delete(
+        "/index/workers/{worker_id}",
+        dependencies=guarded,
+        summary="Forget every block of a worker (all its data-parallel ranks)",
+    )
     async def purge(worker_id: str) -> dict[str, Any]:
         try:
             count = await indexer.purge_worker(worker_id, "admin")
@@ -109,11 +113,18 @@ def index_admin_router(indexer: KVIndexer, token: str | None = None,
             holders = await indexer.backend.block_workers(model, value)
         except IndexUnavailable as exc:
             raise _unavailable(exc) from None
-        return {"model": model, "key": value, "key_hex": f"0x{value:016x}",
-                "workers": {w: {"bits": bits, "tiers": _tiers(bits)} for w, bits in sorted(holders.items())}}
+        return {
+            "model": model,
+            "key": value,
+            "key_hex": f"0x{value:016x}",
+            "workers": {w: {"bits": bits, "tiers": _tiers(bits)} for w, bits in sorted(holders.items())},
+        }
 
-    @router.post("/index/lookup", dependencies=guarded,
-                 summary="Per-worker, per-tier match of a prompt (model + prompt | messages | token_ids)")
+    @router.post(
+        "/index/lookup",
+        dependencies=guarded,
+        summary="Per-worker, per-tier match of a prompt (model + prompt | messages | token_ids)",
+    )
     async def lookup(body: LookupBody) -> dict[str, Any]:
         tokens = body.token_ids
         if tokens is None:
@@ -129,13 +140,25 @@ def index_admin_router(indexer: KVIndexer, token: str | None = None,
             raise _unavailable(exc) from None
         size = result.block_size or 0
         rows = [
-            {"worker": m.worker_id, "blocks": m.blocks, "tokens": m.blocks * size,
-             "gpu": m.gpu, "cpu": m.cpu, "storage": m.storage, "remote": m.remote}
+            {
+                "worker": m.worker_id,
+                "blocks": m.blocks,
+                "tokens": m.blocks * size,
+                "gpu": m.gpu,
+                "cpu": m.cpu,
+                "storage": m.storage,
+                "remote": m.remote,
+            }
             for m in sorted(result.matches.values(), key=lambda m: (-m.blocks, m.worker_id))
         ]
-        return {"model": body.model, "block_size": result.block_size, "prompt_tokens": len(tokens),
-                "num_blocks": result.num_blocks, "matches": rows,
-                "first_keys_hex": [f"0x{k:016x}" for k in result.keys[:4]]}
+        return {
+            "model": body.model,
+            "block_size": result.block_size,
+            "prompt_tokens": len(tokens),
+            "num_blocks": result.num_blocks,
+            "matches": rows,
+            "first_keys_hex": [f"0x{k:016x}" for k in result.keys[:4]],
+        }
 
     @router.get("/", response_class=HTMLResponse, include_in_schema=False)
     async def page() -> HTMLResponse:

@@ -10,27 +10,55 @@ class KVRouteMetrics:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         r = registry
-        self.decisions = Counter("kvroute_route_plans_total", "Plans carried out, by policy and shape",
-                                 ["policy", "shape"], registry=r)
-        self.predicted = Counter("kvroute_predicted_cached_tokens_total",
-                                 "Cached prompt tokens the plan predicted", ["model"], registry=r)
-        self.reported = Counter("kvroute_reported_cached_tokens_total",
-                                "Cached prompt tokens the engine reported for routed requests with a prediction",
-                                ["model"], registry=r)
-        self.predicted_by_tier = Counter("kvroute_predicted_hit_tokens_total",
-                                         "Predicted cached tokens by the tier they load from", ["tier"], registry=r)
-        self.stale = Counter("kvroute_stale_decisions_total",
-                             "Decisions that predicted a hit the engine did not have (more than a block short)",
-                             ["model"], registry=r)
-        self.checked = Counter("kvroute_checked_decisions_total",
-                               "Decisions whose prediction could be checked against the engine's report",
-                               ["model"], registry=r)
-        self.bytes_moved = Counter("kvroute_estimated_kv_bytes_moved_total",
-                                   "KV bytes the chosen plans move between workers (estimate)", registry=r)
-        self.fallbacks = Counter("kvroute_kv_fallbacks_total",
-                                 "Requests whose KV plan fell back (index down, tokenizer failed, prefill leg failed)",
-                                 ["reason"], registry=r)
-        self.client_params = Counter("kvroute_client_kv_params_removed_total",
-                                     "Client-supplied kv_transfer_params keys removed before forwarding", registry=r)
-        self.conversations = Counter("kvroute_conversation_reuse_total",
-                                     "Conversation-store outcomes (stored, taken, reused)", ["outcome"], registry=r)
+        self.decisions = Counter(
+            "kvroute_route_plans_total", "Plans carried out, by policy and shape", ["policy", "shape"], registry=r
+        )
+        self.predicted = Counter(
+            "kvroute_predicted_cached_tokens_total", "Cached prompt tokens the plan predicted", ["model"], registry=r
+        )
+        self.reported = Counter(
+            "kvroute_reported_cached_tokens_total",
+            "Cached prompt tokens the engine reported for routed requests with a prediction",
+            ["model"],
+            registry=r,
+        )
+        self.predicted_by_tier = Counter(
+            "kvroute_predicted_hit_tokens_total",
+            "Predicted cached tokens by the tier they load from",
+            ["tier"],
+            registry=r,
+        )
+        self.stale = Counter(
+            "kvroute_stale_decisions_total",
+            "Decisions that predicted a hit the engine did not have (more than a block short)",
+            ["model"],
+            registry=r,
+        )
+        self.checked = Counter(
+            "kvroute_checked_decisions_total",
+            "Decisions whose prediction could be checked against the engine's report",
+            ["model"],
+            registry=r,
+        )
+        self.bytes_moved = Counter(
+            "kvroute_estimated_kv_bytes_moved_total",
+            "KV bytes the chosen plans move between workers (estimate)",
+            registry=r,
+        )
+        self.fallbacks = Counter(
+            "kvroute_kv_fallbacks_total",
+            "Requests whose KV plan fell back (index down, tokenizer failed, prefill leg failed)",
+            ["reason"],
+            registry=r,
+        )
+        self.client_params = Counter(
+            "kvroute_client_kv_params_removed_total",
+            "Client-supplied kv_transfer_params keys removed before forwarding",
+            registry=r,
+        )
+        self.conversations = Counter(
+            "kvroute_conversation_reuse_total",
+            "Conversation-store outcomes (stored, taken, reused)",
+            ["outcome"],
+            registry=r,
+        )

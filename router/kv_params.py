@@ -29,16 +29,35 @@ Protocol = Literal["none", "p2p", "nixl"]
 LegKind = Literal["local", "prefill", "decode"]
 
 P2P_KEYS = ("remote_decoder", "remote_prefiller", "remote_kv_source")
-NIXL_KEYS = ("do_remote_decode", "do_remote_prefill", "remote_engine_id", "remote_block_ids", "remote_host",
-             "remote_port", "remote_request_id", "tp_size", "remote_num_tokens")
+NIXL_KEYS = (
+    "do_remote_decode",
+    "do_remote_prefill",
+    "remote_engine_id",
+    "remote_block_ids",
+    "remote_host",
+    "remote_port",
+    "remote_request_id",
+    "tp_size",
+    "remote_num_tokens",
+)
 #: Remote-key sets vLLM accepts in one request; everything else is refused by the engine.
-ALLOWED_P2P_SETS = frozenset({
-    frozenset(), frozenset({"remote_decoder"}), frozenset({"remote_prefiller"}),
-    frozenset({"remote_kv_source"}), frozenset({"remote_decoder", "remote_kv_source"}),
-})
-NIXL_PREFILL_PARAMS: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False,
-                                       "remote_engine_id": None, "remote_block_ids": None,
-                                       "remote_host": None, "remote_port": None}
+ALLOWED_P2P_SETS = frozenset(
+    {
+        frozenset(),
+        frozenset({"remote_decoder"}),
+        frozenset({"remote_prefiller"}),
+        frozenset({"remote_kv_source"}),
+        frozenset({"remote_decoder", "remote_kv_source"}),
+    }
+)
+NIXL_PREFILL_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
 REQUEST_ID_HEADER = "X-Request-Id"
 
 
@@ -53,8 +72,10 @@ def new_kv_request_id() -> str:
 
 # -- client input -------------------------------------------------------------------------------------
 
-def sanitize_client_body(body: Any, mode: Literal["strip", "refuse"] = "strip",
-                         allow: frozenset[str] = frozenset()) -> tuple[dict[str, Any], list[str]]:
+
+def sanitize_client_body(
+    body: Any, mode: Literal["strip", "refuse"] = "strip", allow: frozenset[str] = frozenset()
+) -> tuple[dict[str, Any], list[str]]:
     """A copy of ``body`` without client ``kv_transfer_params`` keys (except ``allow``), and what went.
 
     In ``refuse`` mode any such key raises :class:`KVParamsError` instead (answer 400).
@@ -79,6 +100,7 @@ def sanitize_client_body(body: Any, mode: Literal["strip", "refuse"] = "strip",
 
 
 # -- validation ---------------------------------------------------------------------------------------
+
 
 def _check_peer(name: str, value: Any, needs_address: bool) -> None:
     if not isinstance(value, dict):
@@ -123,6 +145,7 @@ def peer_address(worker: WorkerView) -> tuple[str, int]:
 
 
 # -- legs -----------------------------------------------------------------------------------------------
+
 
 @dataclass(slots=True)
 class Leg:
@@ -204,9 +227,16 @@ class Flow:
         return Leg(self.plan.decode, "local", _with_params(self.client_body, {}), self.headers)
 
 
-def build_flow(body: Mapping[str, Any], plan: RoutePlan, workers: Mapping[str, WorkerView], *,
-               protocol: Protocol, request_id: str, conversation_params: Mapping[str, Any] | None = None,
-               id_factory: Callable[[], str] = new_kv_request_id) -> Flow:
+def build_flow(
+    body: Mapping[str, Any],
+    plan: RoutePlan,
+    workers: Mapping[str, WorkerView],
+    *,
+    protocol: Protocol,
+    request_id: str,
+    conversation_params: Mapping[str, Any] | None = None,
+    id_factory: Callable[[], str] = new_kv_request_id,
+) -> Flow:
     """Turn a (sanitized) client body and a plan into legs for the pool's ``protocol``.
 
     ``conversation_params``: the previous turn's decoder ``kv_transfer_params`` from the conversation
@@ -232,8 +262,13 @@ def build_flow(body: Mapping[str, Any], plan: RoutePlan, workers: Mapping[str, W
     return flow
 
 
-def _p2p(flow: Flow, plan: RoutePlan, workers: Mapping[str, WorkerView], id_factory: Callable[[], str],
-         headers: dict[str, str]) -> None:
+def _p2p(
+    flow: Flow,
+    plan: RoutePlan,
+    workers: Mapping[str, WorkerView],
+    id_factory: Callable[[], str],
+    headers: dict[str, str],
+) -> None:
     tiers = _tier_params(plan)
     source = workers[plan.kv_source] if plan.kv_source and plan.kv_source != plan.prefill else None
     if not plan.disaggregated:
@@ -249,13 +284,11 @@ def _p2p(flow: Flow, plan: RoutePlan, workers: Mapping[str, WorkerView], id_fact
     host, port = peer_address(workers[plan.prefill])
     prefiller = {"kv_request_id": transfer, "remote_host": host, "remote_port": port}
     decode_params = {"remote_prefiller": prefiller}
-    flow.prefill = Leg(plan.prefill, "prefill", _with_params(prefill_only(flow.client_body), prefill_params),
-                       headers)
+    flow.prefill = Leg(plan.prefill, "prefill", _with_params(prefill_only(flow.client_body), prefill_params), headers)
     flow.final = Leg(plan.decode, "decode", _with_params(flow.client_body, decode_params), headers)
 
 
-def _nixl(flow: Flow, plan: RoutePlan, conversation_params: Mapping[str, Any] | None,
-          headers: dict[str, str]) -> None:
+def _nixl(flow: Flow, plan: RoutePlan, conversation_params: Mapping[str, Any] | None, headers: dict[str, str]) -> None:
     if plan.kv_source:
         raise KVParamsError("NixlConnector pools have no kv_source peers")
     if not plan.disaggregated:

@@ -136,8 +136,9 @@ class KVPipeline(Pipeline):
         facts.prompt_tokens = len(tokens)
         salt = body.get("cache_salt")
         try:
-            result = await self.kv.indexer.lookup_tokens(model, tokens,
-                                                         cache_salt=salt if isinstance(salt, str) else None)
+            result = await self.kv.indexer.lookup_tokens(
+                model, tokens, cache_salt=salt if isinstance(salt, str) else None
+            )
         except IndexUnavailable:
             self.kv.metrics.fallbacks.labels("index_unavailable").inc()
             return []
@@ -147,8 +148,7 @@ class KVPipeline(Pipeline):
         ctx.extra["block_keys"] = result.keys
         return result.keys
 
-    async def _take_conversation(self, ctx: RequestContext, facts: RouteRequest, cid: str,
-                                 keys: list[int]) -> None:
+    async def _take_conversation(self, ctx: RequestContext, facts: RouteRequest, cid: str, keys: list[int]) -> None:
         assert self.kv.conversations is not None
         try:
             entry = await self.kv.conversations.take(cid)
@@ -221,12 +221,19 @@ class FlowExecutor:
         entry: ConversationEntry | None = ctx.extra.get("conversation_entry")
         conversation_params = entry.kv_transfer_params if entry is not None and plan.reuse_conversation else None
         try:
-            flow = build_flow(ctx.json, plan, views, protocol=kv.protocol,  # type: ignore[arg-type]
-                              request_id=ctx.request_id, conversation_params=conversation_params)
+            flow = build_flow(
+                ctx.json,
+                plan,
+                views,
+                protocol=kv.protocol,  # type: ignore[arg-type]
+                request_id=ctx.request_id,
+                conversation_params=conversation_params,
+            )
         except KVParamsError as exc:
             log.error("request %s: plan %s cannot be carried out: %s", ctx.request_id, plan.to_dict(), exc)
-            raise ApiError(503, f"the routing plan cannot be carried out on this pool: {exc}",
-                           "unroutable_plan") from None
+            raise ApiError(
+                503, f"the routing plan cannot be carried out on this pool: {exc}", "unroutable_plan"
+            ) from None
         final = flow.final
         if flow.prefill is not None:
             try:
@@ -236,24 +243,32 @@ class FlowExecutor:
                     kv.metrics.conversations.labels("reused").inc()
             except (UpstreamError, KVParamsError, PrefillFailed) as exc:
                 kv.metrics.fallbacks.labels("prefill_leg").inc()
-                log.warning("request %s: prefill leg on %s failed (%s); recomputing on %s", ctx.request_id,
-                            flow.prefill.worker_id, exc, plan.decode)
+                log.warning(
+                    "request %s: prefill leg on %s failed (%s); recomputing on %s",
+                    ctx.request_id,
+                    flow.prefill.worker_id,
+                    exc,
+                    plan.decode,
+                )
                 final = flow.fallback_leg()
         assert final is not None
         ctx.tried.add(final.worker_id)
-        opened = await pipeline.forwarder.open(final.worker_id, "POST", ctx.path, ctx.headers,
-                                               orjson.dumps(final.body), ctx.started)
+        opened = await pipeline.forwarder.open(
+            final.worker_id, "POST", ctx.path, ctx.headers, orjson.dumps(final.body), ctx.started
+        )
         cid = ctx.extra.get("conversation_id")
         if cid and kv.conversations is not None and opened.rest is None and opened.upstream.status == 200:
             await self._remember(pipeline, ctx, cid, final, opened.first)
-        return pipeline.forwarder.respond(opened, ctx.request_id, lambda r: pipeline.report(ctx, plan, r),
-                                          pipeline.debug_headers(ctx, plan))
+        return pipeline.forwarder.respond(
+            opened, ctx.request_id, lambda r: pipeline.report(ctx, plan, r), pipeline.debug_headers(ctx, plan)
+        )
 
     @staticmethod
     async def _prefill(pipeline: Pipeline, ctx: RequestContext, leg: Leg) -> Any:
         """Run a prefill-only leg to completion; its JSON answer feeds the decode leg."""
-        opened = await pipeline.forwarder.open(leg.worker_id, "POST", ctx.path, ctx.headers,
-                                               orjson.dumps(leg.body), ctx.started)
+        opened = await pipeline.forwarder.open(
+            leg.worker_id, "POST", ctx.path, ctx.headers, orjson.dumps(leg.body), ctx.started
+        )
         try:
             if opened.rest is not None:
                 raise PrefillFailed("the prefill leg streamed its answer")
@@ -278,9 +293,13 @@ class FlowExecutor:
         try:
             answer = orjson.loads(raw)
             usage = answer.get("usage") or {}
-            entry = entry_from_turn(leg.worker_id, answer, ctx.extra.get("block_keys") or [],
-                                    int(usage.get("prompt_tokens") or 0),
-                                    int(usage.get("completion_tokens") or 0))
+            entry = entry_from_turn(
+                leg.worker_id,
+                answer,
+                ctx.extra.get("block_keys") or [],
+                int(usage.get("prompt_tokens") or 0),
+                int(usage.get("completion_tokens") or 0),
+            )
             if entry is not None:
                 await store.put(cid, entry)
                 pipeline.kv.metrics.conversations.labels("stored").inc()

@@ -24,37 +24,64 @@ class RouterMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests = Counter("kvroute_requests_total", "Requests answered by route, HTTP status, model",
-                                ["route", "status", "model"], registry=r)
-        self.latency = Histogram("kvroute_request_duration_seconds",
-                                 "Time until the response was ready to send (streams: first chunk)",
-                                 ["route"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.ttft = Histogram("kvroute_time_to_first_byte_seconds", "Time to the worker's first body bytes",
-                              ["model"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.decision = Histogram("kvroute_routing_decision_seconds",
-                                  "Time spent gathering facts and choosing a plan", ["policy"],
-                                  buckets=_DECISION_BUCKETS, registry=r)
-        self.upstream_errors = Counter("kvroute_upstream_errors_total", "Failed upstream calls",
-                                       ["worker", "kind"], registry=r)
+        self.requests = Counter(
+            "kvroute_requests_total",
+            "Requests answered by route, HTTP status, model",
+            ["route", "status", "model"],
+            registry=r,
+        )
+        self.latency = Histogram(
+            "kvroute_request_duration_seconds",
+            "Time until the response was ready to send (streams: first chunk)",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "kvroute_time_to_first_byte_seconds",
+            "Time to the worker's first body bytes",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.decision = Histogram(
+            "kvroute_routing_decision_seconds",
+            "Time spent gathering facts and choosing a plan",
+            ["policy"],
+            buckets=_DECISION_BUCKETS,
+            registry=r,
+        )
+        self.upstream_errors = Counter(
+            "kvroute_upstream_errors_total", "Failed upstream calls", ["worker", "kind"], registry=r
+        )
         self.retries = Counter("kvroute_retries_total", "Requests retried on another worker", registry=r)
-        self.inflight = Gauge("kvroute_worker_inflight", "Requests the router has in flight to each worker",
-                              ["worker"], registry=r)
-        self.healthy = Gauge("kvroute_worker_healthy", "1 when the worker passes its health probes",
-                             ["worker"], registry=r)
-        self.worker_running = Gauge("kvroute_worker_requests_running", "Scraped vllm:num_requests_running",
-                                    ["worker"], registry=r)
-        self.worker_waiting = Gauge("kvroute_worker_requests_waiting", "Scraped vllm:num_requests_waiting",
-                                    ["worker"], registry=r)
-        self.worker_kv_usage = Gauge("kvroute_worker_kv_cache_usage", "Scraped vllm:kv_cache_usage_perc",
-                                     ["worker"], registry=r)
-        self.cached_tokens = Counter("kvroute_cached_prompt_tokens_total",
-                                     "usage.prompt_tokens_details.cached_tokens reported by workers",
-                                     ["model"], registry=r)
+        self.inflight = Gauge(
+            "kvroute_worker_inflight", "Requests the router has in flight to each worker", ["worker"], registry=r
+        )
+        self.healthy = Gauge(
+            "kvroute_worker_healthy", "1 when the worker passes its health probes", ["worker"], registry=r
+        )
+        self.worker_running = Gauge(
+            "kvroute_worker_requests_running", "Scraped vllm:num_requests_running", ["worker"], registry=r
+        )
+        self.worker_waiting = Gauge(
+            "kvroute_worker_requests_waiting", "Scraped vllm:num_requests_waiting", ["worker"], registry=r
+        )
+        self.worker_kv_usage = Gauge(
+            "kvroute_worker_kv_cache_usage", "Scraped vllm:kv_cache_usage_perc", ["worker"], registry=r
+        )
+        self.cached_tokens = Counter(
+            "kvroute_cached_prompt_tokens_total",
+            "usage.prompt_tokens_details.cached_tokens reported by workers",
+            ["model"],
+            registry=r,
+        )
         self._request_children: dict[tuple[str, int, str], Counter] = {}
         self._latency_children: dict[str, Histogram] = {}
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
-        self.prompt_tokens = Counter("kvroute_prompt_tokens_total", "usage.prompt_tokens reported by workers",
-                                     ["model"], registry=r)
+        self.prompt_tokens = Counter(
+            "kvroute_prompt_tokens_total", "usage.prompt_tokens reported by workers", ["model"], registry=r
+        )
 
     def observe_request(self, route: str, status: int, model: str, seconds: float) -> None:
         """Hot path: count one answered request; label children are cached (``labels()`` costs µs)."""

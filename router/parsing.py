@@ -101,8 +101,7 @@ def check_generation(data: dict[str, Any], kind: str) -> tuple[str, bool]:
     else:
         prompt = data.get("prompt")
         if prompt is None or not isinstance(prompt, str | list) or (isinstance(prompt, list) and not prompt):
-            raise bad_request("`prompt` is required (a string, a list of strings or of token ids)",
-                              "invalid_prompt")
+            raise bad_request("`prompt` is required (a string, a list of strings or of token ids)", "invalid_prompt")
     for field in ("max_tokens", "max_completion_tokens", "n"):
         value = data.get(field)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):

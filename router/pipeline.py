@@ -72,16 +72,25 @@ class AggregatedExecutor:
         ctx.tried.add(worker)
         forwarder = pipeline.forwarder
         opened = await forwarder.open(worker, ctx.method, ctx.path, ctx.headers, ctx.body, ctx.started)
-        return forwarder.respond(opened, ctx.request_id, lambda r: pipeline.report(ctx, plan, r),
-                                          pipeline.debug_headers(ctx, plan))
+        return forwarder.respond(
+            opened, ctx.request_id, lambda r: pipeline.report(ctx, plan, r), pipeline.debug_headers(ctx, plan)
+        )
 
 
 class Pipeline:
     """Routes one parsed request and answers it. Subclass to enrich facts or add executors."""
 
-    def __init__(self, registry: WorkerRegistry, policy: Policy, forwarder: Forwarder, metrics: RouterMetrics,
-                 *, debug_headers: bool = False, executor: Executor | None = None,
-                 config: RouterConfig | None = None) -> None:
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        policy: Policy,
+        forwarder: Forwarder,
+        metrics: RouterMetrics,
+        *,
+        debug_headers: bool = False,
+        executor: Executor | None = None,
+        config: RouterConfig | None = None,
+    ) -> None:
         #: The router's config (model facts, pool settings) for subclasses; None in bare unit tests.
         self.config = config
         self.registry = registry
@@ -101,9 +110,12 @@ class Pipeline:
         latency_class = "interactive"
         if ctx.http is not None:
             latency_class = ctx.http.headers.get("x-kvroute-latency-class", latency_class)
-        return RouteRequest(request_id=ctx.request_id, model=ctx.model or "",
-                            max_tokens=max_tokens if isinstance(max_tokens, int) else None,
-                            latency_class=latency_class)
+        return RouteRequest(
+            request_id=ctx.request_id,
+            model=ctx.model or "",
+            max_tokens=max_tokens if isinstance(max_tokens, int) else None,
+            latency_class=latency_class,
+        )
 
     def executor_for(self, ctx: RequestContext, plan: RoutePlan) -> Executor:
         return self.executor
@@ -122,11 +134,15 @@ class Pipeline:
         if result.ttfb_s is not None and ctx.stream:
             self.metrics.child(self.metrics.ttft, model).observe(result.ttfb_s)
         outcome = RouteOutcome(
-            request_id=ctx.request_id, model=model, plan=plan,
+            request_id=ctx.request_id,
+            model=model,
+            plan=plan,
             prompt_tokens=prompt_tokens if isinstance(prompt_tokens, int) else 0,
             cached_tokens=cached if isinstance(cached, int) else None,
             # Only a stream's first chunk is a time to first token; a whole JSON answer includes decoding.
-            ttft_s=result.ttfb_s if ctx.stream else None, ok=result.ok)
+            ttft_s=result.ttfb_s if ctx.stream else None,
+            ok=result.ok,
+        )
         try:
             self.policy.observe(outcome)
         except Exception:
@@ -158,8 +174,14 @@ class Pipeline:
             raise ApiError(503, str(exc), "no_healthy_worker") from None
         self._decision.observe(time.perf_counter() - began)
         if log.isEnabledFor(logging.DEBUG):  # the decision log: `kvroute serve --log-level debug`
-            log.debug("request %s -> prefill %s decode %s source %s: %s", ctx.request_id, plan.prefill,
-                      plan.decode, plan.kv_source, plan.reason)
+            log.debug(
+                "request %s -> prefill %s decode %s source %s: %s",
+                ctx.request_id,
+                plan.prefill,
+                plan.decode,
+                plan.kv_source,
+                plan.reason,
+            )
         return plan
 
     async def handle(self, ctx: RequestContext) -> Response:

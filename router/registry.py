@@ -83,18 +83,35 @@ class WorkerState:
 
     def view(self) -> WorkerView:
         cfg = self.config
-        return WorkerView(id=cfg.worker_id, role=cfg.role, healthy=bool(self.healthy), inflight=self.inflight,
-                          running=int(self.load.running), waiting=int(self.load.waiting),
-                          kv_usage=self.load.kv_usage, kv_blocks=self.load.num_gpu_blocks,
-                          p2p_host=cfg.p2p_host, p2p_port=cfg.p2p_port)
+        return WorkerView(
+            id=cfg.worker_id,
+            role=cfg.role,
+            healthy=bool(self.healthy),
+            inflight=self.inflight,
+            running=int(self.load.running),
+            waiting=int(self.load.waiting),
+            kv_usage=self.load.kv_usage,
+            kv_blocks=self.load.num_gpu_blocks,
+            p2p_host=cfg.p2p_host,
+            p2p_port=cfg.p2p_port,
+        )
 
     def to_dict(self) -> dict[str, object]:
         return {
-            "id": self.id, "url": self.url, "role": self.config.role, "models": self.models,
-            "healthy": self.healthy, "inflight": self.inflight, "running": self.load.running,
-            "waiting": self.load.waiting, "kv_usage": self.load.kv_usage, "block_size": self.load.block_size,
-            "prefix_cache_queries": self.load.prefix_queries, "prefix_cache_hits": self.load.prefix_hits,
-            "last_error": self.last_error, "changed_at": self.changed_at,
+            "id": self.id,
+            "url": self.url,
+            "role": self.config.role,
+            "models": self.models,
+            "healthy": self.healthy,
+            "inflight": self.inflight,
+            "running": self.load.running,
+            "waiting": self.load.waiting,
+            "kv_usage": self.load.kv_usage,
+            "block_size": self.load.block_size,
+            "prefix_cache_queries": self.load.prefix_queries,
+            "prefix_cache_hits": self.load.prefix_hits,
+            "last_error": self.last_error,
+            "changed_at": self.changed_at,
         }
 
 
@@ -130,9 +147,18 @@ def parse_vllm_metrics(text: str) -> WorkerLoad:
 class WorkerRegistry:
     """Workers by id, their health and load, and the background tasks that keep that fresh."""
 
-    def __init__(self, workers: Iterable[WorkerConfig], transport: Transport, metrics: RouterMetrics, *,
-                 health_interval_s: float = 2.0, metrics_interval_s: float = 1.0, unhealthy_after: int = 2,
-                 healthy_after: int = 1, probe_timeout_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        workers: Iterable[WorkerConfig],
+        transport: Transport,
+        metrics: RouterMetrics,
+        *,
+        health_interval_s: float = 2.0,
+        metrics_interval_s: float = 1.0,
+        unhealthy_after: int = 2,
+        healthy_after: int = 1,
+        probe_timeout_s: float = 2.0,
+    ) -> None:
         self._workers: dict[str, WorkerState] = {}
         self._transport = transport
         self._metrics = metrics
@@ -194,8 +220,7 @@ class WorkerRegistry:
 
     def views(self, model: str | None) -> list[WorkerView]:
         """Healthy workers serving ``model`` (any model when None), as the policies see them."""
-        return [s.view() for s in self._workers.values()
-                if s.healthy and (model is None or s.serves(model))]
+        return [s.view() for s in self._workers.values() if s.healthy and (model is None or s.serves(model))]
 
     def knows_model(self, model: str) -> bool:
         return any(s.serves(model) for s in self._workers.values())
@@ -228,14 +253,12 @@ class WorkerRegistry:
         if ok:
             state.ok_streak += 1
             state.fail_streak = 0
-            flip = state.healthy is not True and (
-                state.healthy is None or state.ok_streak >= self.healthy_after)
+            flip = state.healthy is not True and (state.healthy is None or state.ok_streak >= self.healthy_after)
         else:
             state.fail_streak += 1
             state.ok_streak = 0
             state.last_error = error
-            flip = state.healthy is not False and (
-                state.healthy is None or state.fail_streak >= self.unhealthy_after)
+            flip = state.healthy is not False and (state.healthy is None or state.fail_streak >= self.unhealthy_after)
         if flip:
             self._transition(state, ok, error)
 

@@ -40,13 +40,23 @@ RECONCILE_INTERVAL_S = 1.0
 
 
 def pool_context(config: RouterConfig) -> PoolContext:
-    models = {m.name: {"prefill_tokens_per_s": m.prefill_tokens_per_s, "attention_coeff_s": m.attention_coeff_s,
-                       "bytes_per_token": float(m.bytes_per_token),
-                       "transfer_per_block_s": m.transfer_per_block_s} for m in config.models}
+    models = {
+        m.name: {
+            "prefill_tokens_per_s": m.prefill_tokens_per_s,
+            "attention_coeff_s": m.attention_coeff_s,
+            "bytes_per_token": float(m.bytes_per_token),
+            "transfer_per_block_s": m.transfer_per_block_s,
+        }
+        for m in config.models
+    }
     pool = config.pool
-    return PoolContext(models=models, kv_protocol=pool.kv_protocol,
-                       kv_recompute_threshold=pool.kv_recompute_threshold,
-                       link_bytes_per_s=pool.link_bytes_per_s, transfer_setup_s=pool.transfer_setup_s)
+    return PoolContext(
+        models=models,
+        kv_protocol=pool.kv_protocol,
+        kv_recompute_threshold=pool.kv_recompute_threshold,
+        link_bytes_per_s=pool.link_bytes_per_s,
+        transfer_setup_s=pool.transfer_setup_s,
+    )
 
 
 def make_backend(config: RouterConfig) -> IndexBackend:
@@ -59,8 +69,9 @@ def make_backend(config: RouterConfig) -> IndexBackend:
 
 def make_conversations(config: RouterConfig) -> ConversationStore:
     if config.index.backend == "redis":
-        return RedisConversationStore(config.index.redis_url, ttl_s=config.pool.conversation_ttl_s,
-                                      prefix=f"{config.index.redis_prefix}:conv")
+        return RedisConversationStore(
+            config.index.redis_url, ttl_s=config.pool.conversation_ttl_s, prefix=f"{config.index.redis_prefix}:conv"
+        )
     return MemoryConversationStore(ttl_s=config.pool.conversation_ttl_s)
 
 
@@ -87,8 +98,14 @@ class SubscriptionSync:
             return None  # no event source: the worker is routed by load only
         if not worker.models:
             return None  # model not discovered yet: next round
-        return WorkerSpec(worker_id=cfg.worker_id, model=worker.models[0], endpoint=cfg.kv_events,
-                          topic=cfg.kv_events_topic, replay=cfg.replay, dp_size=cfg.dp_size)
+        return WorkerSpec(
+            worker_id=cfg.worker_id,
+            model=worker.models[0],
+            endpoint=cfg.kv_events,
+            topic=cfg.kv_events_topic,
+            replay=cfg.replay,
+            dp_size=cfg.dp_size,
+        )
 
     async def reconcile(self) -> None:
         current = {w.id: w for w in self.state.registry.all()}
@@ -141,14 +158,23 @@ def build_app(config: RouterConfig) -> Starlette:
         body: dict[str, Any] = {"messages": messages} if messages is not None else {"prompt": prompt}
         return await holder["tokenizers"].tokens_for_body(model, body)
 
-    app = create_app(config, policy=policy, pipeline_cls=KVPipeline,
-                     admin_routers=[index_admin_router(indexer, config.admin_token, tokenize), explain_router()])
+    app = create_app(
+        config,
+        policy=policy,
+        pipeline_cls=KVPipeline,
+        admin_routers=[index_admin_router(indexer, config.admin_token, tokenize), explain_router()],
+    )
     state: RouterState = app.state.kvroute
     pipeline = state.pipeline
     assert isinstance(pipeline, KVPipeline)
     conversations = make_conversations(config) if config.pool.kv_protocol == "nixl" else None
-    parts = KVParts(metrics=KVRouteMetrics(state.metrics.registry), indexer=indexer, conversations=conversations,
-                    protocol=config.pool.kv_protocol, client_kv_params=config.pool.client_kv_params)
+    parts = KVParts(
+        metrics=KVRouteMetrics(state.metrics.registry),
+        indexer=indexer,
+        conversations=conversations,
+        protocol=config.pool.kv_protocol,
+        client_kv_params=config.pool.client_kv_params,
+    )
     pipeline.attach(parts)
     state.extras["indexer"] = indexer
     client = httpx.AsyncClient(timeout=10.0, limits=httpx.Limits(max_connections=64))
@@ -163,8 +189,9 @@ def build_app(config: RouterConfig) -> Starlette:
     # A Redis index expires entries after block_ttl_s (the safety net for lost removals): rewrite the
     # live blocks well before that, or long-lived hot prefixes (system prompts) would drop out.
     refresh_s = config.index.block_ttl_s / 3 if config.index.backend == "redis" and config.index.block_ttl_s else None
-    subscriber = EventSubscriber(indexer, bind=config.index.events_bind, grace_s=config.index.worker_gone_grace_s,
-                                 refresh_s=refresh_s)
+    subscriber = EventSubscriber(
+        indexer, bind=config.index.events_bind, grace_s=config.index.worker_gone_grace_s, refresh_s=refresh_s
+    )
     sync = SubscriptionSync(state, subscriber, indexer)
 
     async def start(_: RouterState) -> None:

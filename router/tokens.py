@@ -32,19 +32,24 @@ class TokenizeError(RuntimeError):
 class TokenSource(Protocol):
     async def prompt_tokens(self, prompt: str) -> list[int]: ...
 
-    async def chat_tokens(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
-                          tools: Sequence[Mapping[str, Any]] | None = None,
-                          chat_template_kwargs: Mapping[str, Any] | None = None) -> list[int]: ...
+    async def chat_tokens(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]: ...
 
 
 # -- chat template -------------------------------------------------------------------------------------
+
 
 def _raise(message: str) -> None:
     raise TokenizeError(f"chat template: {message}")
 
 
-def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False,
-            sort_keys: bool = False) -> str:
+def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, sort_keys: bool = False) -> str:
     return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
 
 
@@ -74,16 +79,26 @@ class ChatTemplate:
         self.source = source
         self.special = dict(special or {})
 
-    def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
-               tools: Sequence[Mapping[str, Any]] | None = None, **kwargs: Any) -> str:
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        **kwargs: Any,
+    ) -> str:
         if not isinstance(messages, Sequence) or isinstance(messages, str | bytes):
             raise TokenizeError("messages must be a list of objects")
         if any(not isinstance(m, Mapping) for m in messages):
             raise TokenizeError("every message must be an object")
         try:
-            return self._template.render(messages=[dict(m) for m in messages], tools=tools,
-                                         add_generation_prompt=add_generation_prompt,
-                                         **self.special, **kwargs)
+            return self._template.render(
+                messages=[dict(m) for m in messages],
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                **self.special,
+                **kwargs,
+            )
         except TokenizeError:
             raise
         except Exception as exc:
@@ -99,8 +114,7 @@ def load_chat_template(folder: Path, explicit: str | Path | None, config: Mappin
             raise TokenizeError(f"cannot read chat template {explicit}: {exc.strerror}") from None
     value = config.get("chat_template")
     if isinstance(value, list):  # named templates: take "default"
-        value = next((t.get("template") for t in value if isinstance(t, dict) and t.get("name") == "default"),
-                     None)
+        value = next((t.get("template") for t in value if isinstance(t, dict) and t.get("name") == "default"), None)
     if isinstance(value, str):
         return value
     jinja = folder / "chat_template.jinja"
@@ -108,6 +122,7 @@ def load_chat_template(folder: Path, explicit: str | Path | None, config: Mappin
 
 
 # -- local tokenizer with a prefix cache ----------------------------------------------------------------
+
 
 class _Entry:
     __slots__ = ("ids", "starts")
@@ -120,8 +135,7 @@ class _Entry:
 class LocalTokenizer:
     """``tokenizers`` + chat template from a model folder (or a tokenizer.json path)."""
 
-    def __init__(self, path: str | Path, chat_template: str | Path | None = None,
-                 cache_entries: int = 64) -> None:
+    def __init__(self, path: str | Path, chat_template: str | Path | None = None, cache_entries: int = 64) -> None:
         from tokenizers import Tokenizer
 
         path = Path(path)
@@ -138,8 +152,7 @@ class LocalTokenizer:
                 config = json.loads(config_file.read_text())
             except (OSError, ValueError) as exc:
                 raise TokenizeError(f"cannot read {config_file}: {exc}") from None
-        special = {name: _token_text(config.get(name)) for name in ("bos_token", "eos_token", "unk_token",
-                                                                   "pad_token")}
+        special = {name: _token_text(config.get(name)) for name in ("bos_token", "eos_token", "unk_token", "pad_token")}
         source = load_chat_template(folder, chat_template, config)
         self.template = ChatTemplate(source, special) if source else None
         added = self.tokenizer.get_added_tokens_decoder().values()
@@ -159,8 +172,8 @@ class LocalTokenizer:
             full = self.tokenizer.encode(sample, add_special_tokens=True).ids
             raw = self.tokenizer.encode(sample, add_special_tokens=False).ids
             for i in range(len(full) - len(raw) + 1):
-                if full[i:i + len(raw)] == raw:
-                    wraps.add((tuple(full[:i]), tuple(full[i + len(raw):])))
+                if full[i : i + len(raw)] == raw:
+                    wraps.add((tuple(full[:i]), tuple(full[i + len(raw) :])))
                     break
             else:
                 return None, None
@@ -211,32 +224,49 @@ class LocalTokenizer:
             return self.tokenizer.encode(prompt, add_special_tokens=True).ids
         return self._pre + self.encode_raw(prompt) + self._post
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
-                    tools: Sequence[Mapping[str, Any]] | None = None,
-                    chat_template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+    def encode_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
         if self.template is None:
             raise TokenizeError("this model folder has no chat template")
-        text = self.template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools,
-                                    **dict(chat_template_kwargs or {}))
+        text = self.template.render(
+            messages, add_generation_prompt=add_generation_prompt, tools=tools, **dict(chat_template_kwargs or {})
+        )
         return self.encode_raw(text)
 
     async def prompt_tokens(self, prompt: str) -> list[int]:
         return self.encode_prompt(prompt)
 
-    async def chat_tokens(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
-                          tools: Sequence[Mapping[str, Any]] | None = None,
-                          chat_template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
-        return self.encode_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools,
-                                chat_template_kwargs=chat_template_kwargs)
+    async def chat_tokens(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        return self.encode_chat(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            chat_template_kwargs=chat_template_kwargs,
+        )
 
 
 # -- remote tokenizer -----------------------------------------------------------------------------------
 
+
 class RemoteTokenizer:
     """The worker's ``POST /tokenize`` (vLLM accepts ``prompt`` or ``messages``), results cached exactly."""
 
-    def __init__(self, client: httpx.AsyncClient, base_url: str, model: str, cache_entries: int = 256,
-                 timeout_s: float = 5.0) -> None:
+    def __init__(
+        self, client: httpx.AsyncClient, base_url: str, model: str, cache_entries: int = 256, timeout_s: float = 5.0
+    ) -> None:
         self.client = client
         self.url = base_url.rstrip("/") + "/tokenize"
         self.model = model
@@ -251,8 +281,9 @@ class RemoteTokenizer:
             self._cache.move_to_end(key)
             return list(cached)
         try:
-            resp = await self.client.post(self.url, content=key, timeout=self.timeout_s,
-                                          headers={"content-type": "application/json"})
+            resp = await self.client.post(
+                self.url, content=key, timeout=self.timeout_s, headers={"content-type": "application/json"}
+            )
         except httpx.HTTPError as exc:
             raise TokenizeError(f"tokenize at {self.url} failed: {type(exc).__name__}: {exc}") from None
         if resp.status_code != 200:
@@ -273,11 +304,19 @@ class RemoteTokenizer:
             raise TokenizeError("prompt must be a string")
         return await self._tokenize({"model": self.model, "prompt": prompt})
 
-    async def chat_tokens(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
-                          tools: Sequence[Mapping[str, Any]] | None = None,
-                          chat_template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
-        payload: dict[str, Any] = {"model": self.model, "messages": list(messages),
-                                   "add_generation_prompt": add_generation_prompt}
+    async def chat_tokens(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        payload: dict[str, Any] = {
+            "model": self.model,
+            "messages": list(messages),
+            "add_generation_prompt": add_generation_prompt,
+        }
         if tools:
             payload["tools"] = list(tools)
         if chat_template_kwargs:
@@ -286,6 +325,7 @@ class RemoteTokenizer:
 
 
 # -- per model -------------------------------------------------------------------------------------------
+
 
 class PluginTokenizer:
     """A tokenizer object named by import path (``python:package.module:Factory``) for engines whose
@@ -297,7 +337,7 @@ class PluginTokenizer:
     def __init__(self, spec: str) -> None:
         import importlib
 
-        target = spec[len(self.PREFIX):]
+        target = spec[len(self.PREFIX) :]
         module_name, _, attr = target.partition(":")
         try:
             factory = getattr(importlib.import_module(module_name), attr)
@@ -308,25 +348,35 @@ class PluginTokenizer:
     async def prompt_tokens(self, prompt: str) -> list[int]:
         return list(self.impl.encode(prompt))
 
-    async def chat_tokens(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
-                          tools: Sequence[Mapping[str, Any]] | None = None,
-                          chat_template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+    async def chat_tokens(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
         return list(self.impl.encode_chat(messages, add_generation_prompt=add_generation_prompt))
 
 
 class Tokenizers:
     """Token sources per model: local where a tokenizer folder is configured, else remote ``/tokenize``."""
 
-    def __init__(self, client: httpx.AsyncClient, worker_url_for: Callable[[str], str | None],
-                 local: Mapping[str, tuple[str, str | None]] | None = None) -> None:
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        worker_url_for: Callable[[str], str | None],
+        local: Mapping[str, tuple[str, str | None]] | None = None,
+    ) -> None:
         self.client = client
         self.worker_url_for = worker_url_for
         self._local_specs = dict(local or {})
         self._sources: dict[str, TokenSource] = {}
 
     @classmethod
-    def from_models(cls, models: Sequence[Any], client: httpx.AsyncClient,
-                    worker_url_for: Callable[[str], str | None]) -> Tokenizers:
+    def from_models(
+        cls, models: Sequence[Any], client: httpx.AsyncClient, worker_url_for: Callable[[str], str | None]
+    ) -> Tokenizers:
         """From the router config's ``models`` (each with ``name``, ``tokenizer``, ``chat_template``)."""
         local = {m.name: (m.tokenizer, m.chat_template) for m in models if getattr(m, "tokenizer", None)}
         return cls(client, worker_url_for, local)
@@ -350,10 +400,12 @@ class Tokenizers:
         """The prompt tokens of an OpenAI request body (``messages`` for chat, ``prompt`` for completions)."""
         src = self.source(model)
         if "messages" in body:
-            return await src.chat_tokens(body["messages"],
-                                         add_generation_prompt=bool(body.get("add_generation_prompt", True)),
-                                         tools=body.get("tools"),
-                                         chat_template_kwargs=body.get("chat_template_kwargs"))
+            return await src.chat_tokens(
+                body["messages"],
+                add_generation_prompt=bool(body.get("add_generation_prompt", True)),
+                tools=body.get("tools"),
+                chat_template_kwargs=body.get("chat_template_kwargs"),
+            )
         prompt = body.get("prompt")
         if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return list(prompt)  # already token ids

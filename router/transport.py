@@ -49,8 +49,7 @@ class Transport(ABC):
     name: str = "abstract"
 
     @abstractmethod
-    async def request(self, method: str, url: str, headers: list[tuple[str, str]],
-                      body: bytes) -> UpstreamResponse:
+    async def request(self, method: str, url: str, headers: list[tuple[str, str]], body: bytes) -> UpstreamResponse:
         """Send a request and wait for the response headers. Raises UpstreamError."""
 
     async def get(self, url: str, timeout: float) -> tuple[int, bytes]:
@@ -67,6 +66,7 @@ class Transport(ABC):
 
 
 # ---------------------------------------------------------------------------------------------- httpx
+
 
 class _HttpxResponse(UpstreamResponse):
     __slots__ = ("_resp", "headers", "status")
@@ -102,16 +102,15 @@ class HttpxTransport(Transport):
 
     def __init__(self, connect_timeout: float, read_timeout: float, max_connections: int = 1024) -> None:
         self._client = httpx.AsyncClient(
-            timeout=httpx.Timeout(connect=connect_timeout, read=read_timeout, write=read_timeout,
-                                  pool=connect_timeout),
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections,
-                                keepalive_expiry=30.0),
+            timeout=httpx.Timeout(connect=connect_timeout, read=read_timeout, write=read_timeout, pool=connect_timeout),
+            limits=httpx.Limits(
+                max_connections=max_connections, max_keepalive_connections=max_connections, keepalive_expiry=30.0
+            ),
             follow_redirects=False,
             trust_env=False,
         )
 
-    async def request(self, method: str, url: str, headers: list[tuple[str, str]],
-                      body: bytes) -> UpstreamResponse:
+    async def request(self, method: str, url: str, headers: list[tuple[str, str]], body: bytes) -> UpstreamResponse:
         req = self._client.build_request(method, url, headers=headers, content=body)
         try:
             resp = await self._client.send(req, stream=True)
@@ -128,6 +127,7 @@ class HttpxTransport(Transport):
 
 
 # -------------------------------------------------------------------------------------------- aiohttp
+
 
 class _AiohttpResponse(UpstreamResponse):
     __slots__ = ("_resp", "headers", "status")
@@ -172,8 +172,7 @@ class AiohttpTransport(Transport):
         import aiohttp
 
         self._aiohttp = aiohttp
-        self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout,
-                                              sock_read=read_timeout)
+        self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout, sock_read=read_timeout)
         self._max = max_connections
         self._session: aiohttp.ClientSession | None = None
 
@@ -182,17 +181,21 @@ class AiohttpTransport(Transport):
         if self._session is None:
             connector = self._aiohttp.TCPConnector(limit=self._max, limit_per_host=0, keepalive_timeout=30.0)
             self._session = self._aiohttp.ClientSession(
-                connector=connector, timeout=self._timeout, auto_decompress=False,
-                skip_auto_headers=("User-Agent",))
+                connector=connector, timeout=self._timeout, auto_decompress=False, skip_auto_headers=("User-Agent",)
+            )
         return self._session
 
-    async def request(self, method: str, url: str, headers: list[tuple[str, str]],
-                      body: bytes) -> UpstreamResponse:
+    async def request(self, method: str, url: str, headers: list[tuple[str, str]], body: bytes) -> UpstreamResponse:
         aiohttp = self._aiohttp
         session = self._ensure()
         try:
-            resp = await session.request(method, url, headers=headers, data=body or None,  # type: ignore[attr-defined]
-                                         allow_redirects=False)
+            resp = await session.request(
+                method,
+                url,
+                headers=headers,
+                data=body or None,  # type: ignore[attr-defined]
+                allow_redirects=False,
+            )
         except aiohttp.ClientConnectorError as exc:
             raise UpstreamError("connect", f"cannot connect to {url}: {exc!r}") from exc
         except TimeoutError as exc:

@@ -37,8 +37,7 @@ def _json(data: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(data), status_code=status, media_type="application/json")
 
 
-def error_response(status: int, message: str, type_: str = "BadRequestError",
-                   param: str | None = None) -> Response:
+def error_response(status: int, message: str, type_: str = "BadRequestError", param: str | None = None) -> Response:
     """vLLM's (OpenAI-style) error body."""
     return _json({"error": {"message": message, "type": type_, "param": param, "code": status}}, status)
 
@@ -76,8 +75,7 @@ def _prompt_tokens(prompt: Any, worker: SimWorker) -> list[int]:
             raise ApiError(400, f"Token ids must be in [0, {VOCAB_SIZE}).", param="prompt")
         return list(prompt)
     if isinstance(prompt, list) and len(prompt) > 1:
-        raise ApiError(400, "Batched prompts are not supported by the simulator; send one prompt.",
-                       param="prompt")
+        raise ApiError(400, "Batched prompts are not supported by the simulator; send one prompt.", param="prompt")
     raise ApiError(400, "prompt must be a string or a list of token ids.", param="prompt")
 
 
@@ -96,7 +94,8 @@ def _request(body: dict[str, Any], http: Request, worker: SimWorker, *, chat: bo
         except (ValueError, TypeError) as exc:
             raise ApiError(400, str(exc), param="messages") from None
         max_tokens = _int(body, "max_completion_tokens", None, 1) or _int(
-            body, "max_tokens", worker.opts.default_chat_max_tokens, 1)
+            body, "max_tokens", worker.opts.default_chat_max_tokens, 1
+        )
     else:
         if "prompt" not in body:
             raise ApiError(400, "prompt is required.", param="prompt")
@@ -114,14 +113,18 @@ def _request(body: dict[str, Any], http: Request, worker: SimWorker, *, chat: bo
         raise ApiError(400, str(exc), param="kv_transfer_params") from None
     request_id = http.headers.get("x-request-id") or uuid.uuid4().hex
     assert max_tokens is not None
-    return EngineRequest(request_id=request_id, prompt=prompt, max_tokens=max_tokens, stream=stream, kv=kv,
-                         cache_salt=salt)
+    return EngineRequest(
+        request_id=request_id, prompt=prompt, max_tokens=max_tokens, stream=stream, kv=kv, cache_salt=salt
+    )
 
 
 def _usage(req: EngineRequest) -> dict[str, Any]:
-    return {"prompt_tokens": len(req.prompt), "total_tokens": len(req.prompt) + req.output_tokens,
-            "completion_tokens": req.output_tokens,
-            "prompt_tokens_details": {"cached_tokens": req.cached_tokens}}
+    return {
+        "prompt_tokens": len(req.prompt),
+        "total_tokens": len(req.prompt) + req.output_tokens,
+        "completion_tokens": req.output_tokens,
+        "prompt_tokens_details": {"cached_tokens": req.cached_tokens},
+    }
 
 
 class OpenAIHandlers:
@@ -158,27 +161,56 @@ class OpenAIHandlers:
             if isinstance(options, dict):
                 include_usage = bool(options.get("include_usage"))
             stream = self._stream(req, body_id, created, chat, include_usage)
-            return StreamingResponse(stream, media_type="text/event-stream",
-                                     headers={"X-Request-Id": req.request_id})
+            return StreamingResponse(stream, media_type="text/event-stream", headers={"X-Request-Id": req.request_id})
         await drain(worker.engine.generate(req))
         text = output_text(len(req.prompt), 0, req.output_tokens)
         if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None,
-                                              "annotations": None, "audio": None, "function_call": None,
-                                              "tool_calls": [], "reasoning_content": None},
-                      "logprobs": None, "finish_reason": "length", "stop_reason": None}
+            choice = {
+                "index": 0,
+                "message": {
+                    "role": "assistant",
+                    "content": text,
+                    "refusal": None,
+                    "annotations": None,
+                    "audio": None,
+                    "function_call": None,
+                    "tool_calls": [],
+                    "reasoning_content": None,
+                },
+                "logprobs": None,
+                "finish_reason": "length",
+                "stop_reason": None,
+            }
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length",
-                      "stop_reason": None, "prompt_logprobs": None}
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": "length",
+                "stop_reason": None,
+                "prompt_logprobs": None,
+            }
             obj = "text_completion"
-        return _json({"id": body_id, "object": obj, "created": created, "model": worker.model,
-                      "choices": [choice], "service_tier": None, "system_fingerprint": None,
-                      "usage": _usage(req), "prompt_logprobs": None,
-                      "kv_transfer_params": req.kv_params_out}, 200)
+        return _json(
+            {
+                "id": body_id,
+                "object": obj,
+                "created": created,
+                "model": worker.model,
+                "choices": [choice],
+                "service_tier": None,
+                "system_fingerprint": None,
+                "usage": _usage(req),
+                "prompt_logprobs": None,
+                "kv_transfer_params": req.kv_params_out,
+            },
+            200,
+        )
 
-    async def _stream(self, req: EngineRequest, body_id: str, created: int, chat: bool,
-                      include_usage: bool) -> AsyncIterator[bytes]:
+    async def _stream(
+        self, req: EngineRequest, body_id: str, created: int, chat: bool, include_usage: bool
+    ) -> AsyncIterator[bytes]:
         worker = self.worker
         obj = "chat.completion.chunk" if chat else "text_completion"
         head = {"id": body_id, "object": obj, "created": created, "model": worker.model}
@@ -189,13 +221,16 @@ class OpenAIHandlers:
                 text = output_text(len(req.prompt), sent, produced)
                 if chat:
                     if sent == 0:
-                        role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                "finish_reason": None}
+                        role = {
+                            "index": 0,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
                         yield _sse({**head, "choices": [role]})
                     choice = {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
                 else:
-                    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": None,
-                              "stop_reason": None}
+                    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": None, "stop_reason": None}
                 sent += produced
                 yield _sse({**head, "choices": [choice]})
             end = {"logprobs": None, "finish_reason": "length", "stop_reason": None}
@@ -209,9 +244,16 @@ class OpenAIHandlers:
 
     async def models(self, request: Request) -> Response:
         worker = self.worker
-        card = {"id": worker.model, "object": "model", "created": worker.created, "owned_by": "vllm",
-                "root": worker.model, "parent": None, "max_model_len": worker.opts.preset.max_model_len,
-                "permission": []}
+        card = {
+            "id": worker.model,
+            "object": "model",
+            "created": worker.created,
+            "owned_by": "vllm",
+            "root": worker.model,
+            "parent": None,
+            "max_model_len": worker.opts.preset.max_model_len,
+            "permission": [],
+        }
         return _json({"object": "list", "data": [card]})
 
     async def health(self, request: Request) -> Response:
@@ -239,16 +281,23 @@ class OpenAIHandlers:
                 raise ApiError(400, "Either prompt (a string) or messages is required.")
         except ApiError as exc:
             return error_response(exc.status, exc.message, exc.type, exc.param)
-        return _json({"count": len(tokens), "max_model_len": worker.opts.preset.max_model_len,
-                      "tokens": tokens, "token_strs": None})
+        return _json(
+            {
+                "count": len(tokens),
+                "max_model_len": worker.opts.preset.max_model_len,
+                "tokens": tokens,
+                "token_strs": None,
+            }
+        )
 
     async def metrics(self, request: Request) -> Response:
         return Response(self.worker.engine.metrics.render(), media_type=PROMETHEUS_TYPE)
 
     async def reset_prefix_cache(self, request: Request) -> Response:
         if not self.worker.engine.reset_prefix_cache():
-            return error_response(409, "Failed to reset prefix cache: blocks are in use by running requests.",
-                                  "ConflictError")
+            return error_response(
+                409, "Failed to reset prefix cache: blocks are in use by running requests.", "ConflictError"
+            )
         return Response(status_code=200)
 
     async def state(self, request: Request) -> Response:
@@ -275,15 +324,17 @@ def _sse(data: dict[str, Any]) -> bytes:
 
 def build_app(worker: SimWorker) -> Starlette:
     h = OpenAIHandlers(worker)
-    return Starlette(routes=[
-        Route("/v1/completions", h.completions, methods=["POST"]),
-        Route("/v1/chat/completions", h.chat, methods=["POST"]),
-        Route("/v1/models", h.models, methods=["GET"]),
-        Route("/health", h.health, methods=["GET"]),
-        Route("/tokenize", h.tokenize, methods=["POST"]),
-        Route("/metrics", h.metrics, methods=["GET"]),
-        Route("/version", h.version, methods=["GET"]),
-        Route("/reset_prefix_cache", h.reset_prefix_cache, methods=["POST"]),
-        Route("/sim/state", h.state, methods=["GET"]),
-        Route("/sim/health", h.set_health, methods=["POST"]),
-    ])
+    return Starlette(
+        routes=[
+            Route("/v1/completions", h.completions, methods=["POST"]),
+            Route("/v1/chat/completions", h.chat, methods=["POST"]),
+            Route("/v1/models", h.models, methods=["GET"]),
+            Route("/health", h.health, methods=["GET"]),
+            Route("/tokenize", h.tokenize, methods=["POST"]),
+            Route("/metrics", h.metrics, methods=["GET"]),
+            Route("/version", h.version, methods=["GET"]),
+            Route("/reset_prefix_cache", h.reset_prefix_cache, methods=["POST"]),
+            Route("/sim/state", h.state, methods=["GET"]),
+            Route("/sim/health", h.set_health, methods=["POST"]),
+        ]
+    )

@@ -62,16 +62,36 @@ class _Admission:
 
 
 class Engine:
-    def __init__(self, opts: WorkerOptions, emit: Callable[[KVEvent], None], client: P2PClient | None,
-                 *, engine_id: str, p2p_host: str, p2p_port: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        opts: WorkerOptions,
+        emit: Callable[[KVEvent], None],
+        client: P2PClient | None,
+        *,
+        engine_id: str,
+        p2p_host: str,
+        p2p_port: Callable[[], int],
+    ) -> None:
         self.opts = opts
         self.preset = opts.preset
-        self.cache = PagedCache(self.preset.gpu_blocks, self.preset.block_size, emit,
-                                cpu_blocks=self.preset.cpu_blocks, seed=opts.hash_seed,
-                                hash_bytes=opts.hash_bytes, self_describing=opts.self_describing_events)
-        self.metrics = SimMetrics(opts.model_name, self.preset.block_size, self.preset.gpu_blocks,
-                                  self.preset.cpu_blocks, running=lambda: self.running,
-                                  waiting=lambda: self.waiting, usage=self.cache.usage)
+        self.cache = PagedCache(
+            self.preset.gpu_blocks,
+            self.preset.block_size,
+            emit,
+            cpu_blocks=self.preset.cpu_blocks,
+            seed=opts.hash_seed,
+            hash_bytes=opts.hash_bytes,
+            self_describing=opts.self_describing_events,
+        )
+        self.metrics = SimMetrics(
+            opts.model_name,
+            self.preset.block_size,
+            self.preset.gpu_blocks,
+            self.preset.cpu_blocks,
+            running=lambda: self.running,
+            waiting=lambda: self.waiting,
+            usage=self.cache.usage,
+        )
         self.transfers = Transfers(self, client)
         self.engine_id = engine_id
         self.p2p_host = p2p_host
@@ -120,12 +140,16 @@ class Engine:
         if not req.prompt:
             raise EngineError("The prompt is empty.")
         if total > self.preset.max_model_len:
-            raise EngineError(f"This model's maximum context length is {self.preset.max_model_len} tokens. "
-                              f"However, you requested {total} tokens ({len(req.prompt)} in the messages, "
-                              f"{req.max_tokens} in the completion). Please reduce the length.")
+            raise EngineError(
+                f"This model's maximum context length is {self.preset.max_model_len} tokens. "
+                f"However, you requested {total} tokens ({len(req.prompt)} in the messages, "
+                f"{req.max_tokens} in the completion). Please reduce the length."
+            )
         if math.ceil(total / self.preset.block_size) > self.preset.gpu_blocks:
-            raise EngineError(f"The request needs {total} tokens of KV cache; this worker holds only "
-                              f"{self.preset.gpu_blocks * self.preset.block_size}.")
+            raise EngineError(
+                f"The request needs {total} tokens of KV cache; this worker holds only "
+                f"{self.preset.gpu_blocks * self.preset.block_size}."
+            )
 
     def _extras(self, req: EngineRequest, count: int) -> list[Any] | None:
         if not req.cache_salt or count == 0:
@@ -156,7 +180,7 @@ class Engine:
         alloc = adm.alloc
         hold = None
         kv = req.kv
-        computing = hashes[adm.n_gpu:]
+        computing = hashes[adm.n_gpu :]
         try:
             for h in computing:
                 self.pending[h] = self.pending.get(h, 0) + 1
@@ -174,10 +198,15 @@ class Engine:
             max_offload = kv.max_offload_tokens if kv is not None else None
             offload_blocks = None if max_offload is None else max_offload // bs
             await self._prefill(req, adm, ready)
-            self.cache.store(alloc, hashes[adm.n_gpu:], req.prompt[adm.n_gpu * bs: len(hashes) * bs],
-                             hashes[adm.n_gpu - 1] if adm.n_gpu else None,
-                             extras=self._extras(req, len(hashes))[adm.n_gpu:] if req.cache_salt else None,
-                             offload_blocks=offload_blocks, first_index=adm.n_gpu)
+            self.cache.store(
+                alloc,
+                hashes[adm.n_gpu :],
+                req.prompt[adm.n_gpu * bs : len(hashes) * bs],
+                hashes[adm.n_gpu - 1] if adm.n_gpu else None,
+                extras=self._extras(req, len(hashes))[adm.n_gpu :] if req.cache_salt else None,
+                offload_blocks=offload_blocks,
+                first_index=adm.n_gpu,
+            )
             self._unmark(computing)
             computing = []
             self.metrics.prefix_queries.inc(n_prompt)
@@ -208,14 +237,13 @@ class Engine:
         CPU-tier hits, then the uncached tokens (attention grows with the cached context)."""
         loop = asyncio.get_running_loop()
         cached = req.cached_tokens
-        work = (promote_seconds(self.preset, adm.n_cpu)
-                + prefill_seconds(self.preset, len(req.prompt) - cached, cached))
+        work = promote_seconds(self.preset, adm.n_cpu) + prefill_seconds(self.preset, len(req.prompt) - cached, cached)
         start = max(ready, self._gpu_free_at)
         end = start + self.opts.scaled(work)
         self._gpu_free_at = end
         await asyncio.sleep(end - loop.time())
         if adm.n_cpu:
-            self.cache.touch_cpu(adm.hashes[adm.n_gpu:adm.n_gpu + adm.n_cpu])
+            self.cache.touch_cpu(adm.hashes[adm.n_gpu : adm.n_gpu + adm.n_cpu])
             self.metrics.promoted_blocks.inc(adm.n_cpu)
 
     def _unmark(self, hashes: list[BlockHash]) -> None:
@@ -240,8 +268,9 @@ class Engine:
         finally:
             self.decoding -= 1
 
-    def _store_output(self, req: EngineRequest, alloc: Allocation, hashes: list[BlockHash],
-                      offload_blocks: int | None) -> None:
+    def _store_output(
+        self, req: EngineRequest, alloc: Allocation, hashes: list[BlockHash], offload_blocks: int | None
+    ) -> None:
         """Cache the full blocks the answer completed (the last sampled token has no KV yet)."""
         bs = self.preset.block_size
         prompt_full = len(hashes) * bs
@@ -251,8 +280,15 @@ class Engine:
         parent = hashes[-1] if hashes else None
         extra = self._extras(req, 1) if not hashes else None
         new = self.cache.block_hashes(seq, extra, parent=parent)
-        self.cache.store(alloc, new, seq[: len(new) * bs], parent, extras=extra,
-                         offload_blocks=offload_blocks, first_index=len(hashes))
+        self.cache.store(
+            alloc,
+            new,
+            seq[: len(new) * bs],
+            parent,
+            extras=extra,
+            offload_blocks=offload_blocks,
+            first_index=len(hashes),
+        )
         hashes.extend(new)
 
     def _hand_over(self, req: EngineRequest, hashes: list[BlockHash]) -> None:
@@ -276,10 +312,17 @@ class Engine:
                 req.kv_params_out = self._nixl_params(req.request_id, hold.block_ids, num_tokens)
 
     def _nixl_params(self, request_id: str, block_ids: list[int], num_tokens: int) -> dict[str, Any]:
-        return {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": block_ids,
-                "remote_engine_id": self.engine_id, "remote_request_id": request_id,
-                "remote_host": self.p2p_host, "remote_port": self._p2p_port(),
-                "remote_num_tokens": num_tokens, "tp_size": 1}
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": block_ids,
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": request_id,
+            "remote_host": self.p2p_host,
+            "remote_port": self._p2p_port(),
+            "remote_num_tokens": num_tokens,
+            "tp_size": 1,
+        }
 
     def reset_prefix_cache(self) -> bool:
         return self.cache.reset()
@@ -287,10 +330,15 @@ class Engine:
     def state(self) -> dict[str, Any]:
         """A debugging snapshot (``GET /sim/state``)."""
         return {
-            "running": self.running, "waiting": len(self._queue), "decoding": self.decoding,
-            "gpu_cached_blocks": len(self.cache.gpu), "gpu_free_cached_blocks": len(self.cache.lru),
-            "cpu_blocks": len(self.cache.cpu), "reserved_blocks": self.cache.reserved,
-            "kv_cache_usage": self.cache.usage(), "hash_seed": self.cache.seed,
+            "running": self.running,
+            "waiting": len(self._queue),
+            "decoding": self.decoding,
+            "gpu_cached_blocks": len(self.cache.gpu),
+            "gpu_free_cached_blocks": len(self.cache.lru),
+            "cpu_blocks": len(self.cache.cpu),
+            "reserved_blocks": self.cache.reserved,
+            "kv_cache_usage": self.cache.usage(),
+            "hash_seed": self.cache.seed,
             "holds": {kind: sorted(holds) for kind, holds in self.transfers.holds.items()},
             "recompute_decisions": self.recompute_decisions,
         }

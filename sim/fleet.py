@@ -32,10 +32,20 @@ def merge_sections(config: dict[str, Any], extra: dict[str, Any]) -> dict[str, A
 
 
 class SimFleet:
-    def __init__(self, n_workers: int = 4, preset: str | Preset = "llama-8b-h100", *, time_scale: float = 1.0,
-                 roles: Sequence[Role] | None = None, host: str = "127.0.0.1", base_port: int = 0,
-                 hash_seed: int | None = None, events_connect: str | None = None,
-                 preset_overrides: dict[str, Any] | None = None, **options: Any) -> None:
+    def __init__(
+        self,
+        n_workers: int = 4,
+        preset: str | Preset = "llama-8b-h100",
+        *,
+        time_scale: float = 1.0,
+        roles: Sequence[Role] | None = None,
+        host: str = "127.0.0.1",
+        base_port: int = 0,
+        hash_seed: int | None = None,
+        events_connect: str | None = None,
+        preset_overrides: dict[str, Any] | None = None,
+        **options: Any,
+    ) -> None:
         """``roles``: one per worker (cycled if shorter); ``hash_seed``: shared by the whole fleet so P2P
         peers agree on block hashes (random per fleet when None, like one PYTHONHASHSEED for all);
         ``events_connect``: workers CONNECT their PUB there (router-bound SUB) instead of binding;
@@ -90,22 +100,31 @@ class SimFleet:
         tokenizer the workers use."""
         p = self.preset
         tokenizer = self.workers[0].opts.tokenizer or "python:kvroute.sim.tokenizer:BuiltinTokenizer"
-        return {"name": self.model, "block_size": p.block_size, "tokenizer": tokenizer,
-                "prefill_tokens_per_s": p.prefill_tokens_per_s / self.time_scale,
-                "attention_coeff_s": p.attention_coeff_s * self.time_scale,
-                "bytes_per_token": p.bytes_per_token,
-                "transfer_per_block_s": p.transfer_per_block_s * self.time_scale}
+        return {
+            "name": self.model,
+            "block_size": p.block_size,
+            "tokenizer": tokenizer,
+            "prefill_tokens_per_s": p.prefill_tokens_per_s / self.time_scale,
+            "attention_coeff_s": p.attention_coeff_s * self.time_scale,
+            "bytes_per_token": p.bytes_per_token,
+            "transfer_per_block_s": p.transfer_per_block_s * self.time_scale,
+        }
 
     def pool_config(self) -> dict[str, Any]:
         """The ``pool:`` link figures of this fleet, time-scaled like :meth:`model_config`'s."""
         p = self.preset
-        return {"link_bytes_per_s": p.link_bytes_per_s / self.time_scale,
-                "transfer_setup_s": p.transfer_setup_s * self.time_scale}
+        return {
+            "link_bytes_per_s": p.link_bytes_per_s / self.time_scale,
+            "transfer_setup_s": p.transfer_setup_s * self.time_scale,
+        }
 
     def serve_config(self, **extra: Any) -> dict[str, Any]:
         """The ``kvroute serve`` configuration routing to this fleet (``extra`` merged at the top level)."""
-        config: dict[str, Any] = {"workers": [w.worker_config() for w in self.workers],
-                                  "models": [self.model_config()], "pool": self.pool_config()}
+        config: dict[str, Any] = {
+            "workers": [w.worker_config() for w in self.workers],
+            "models": [self.model_config()],
+            "pool": self.pool_config(),
+        }
         if self.events_connect:
             config["index"] = {"events_bind": self.events_connect}
         return merge_sections(config, extra)

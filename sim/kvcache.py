@@ -24,8 +24,15 @@ from kvroute.indexer.keys import extra_bytes, token_bytes
 class Block:
     __slots__ = ("bid", "extra", "hash", "offload", "parent", "ref", "tokens")
 
-    def __init__(self, bid: int, block_hash: BlockHash, parent: BlockHash | None, tokens: Sequence[int],
-                 extra: Any, offload: bool) -> None:
+    def __init__(
+        self,
+        bid: int,
+        block_hash: BlockHash,
+        parent: BlockHash | None,
+        tokens: Sequence[int],
+        extra: Any,
+        offload: bool,
+    ) -> None:
         self.bid = bid
         self.hash = block_hash
         self.parent = parent
@@ -44,9 +51,17 @@ class Allocation:
 
 
 class PagedCache:
-    def __init__(self, gpu_blocks: int, block_size: int, emit: Callable[[KVEvent], None], *,
-                 cpu_blocks: int = 0, seed: int | None = None, hash_bytes: bool = False,
-                 self_describing: bool = True) -> None:
+    def __init__(
+        self,
+        gpu_blocks: int,
+        block_size: int,
+        emit: Callable[[KVEvent], None],
+        *,
+        cpu_blocks: int = 0,
+        seed: int | None = None,
+        hash_bytes: bool = False,
+        self_describing: bool = True,
+    ) -> None:
         if gpu_blocks <= 0 or block_size <= 0 or cpu_blocks < 0:
             raise ValueError("gpu_blocks and block_size must be positive, cpu_blocks non-negative")
         self.gpu_blocks = gpu_blocks
@@ -65,8 +80,9 @@ class PagedCache:
 
     # -- hashing -------------------------------------------------------------------------------------
 
-    def block_hashes(self, tokens: Sequence[int], extra_keys: Sequence[Any] | None = None,
-                     parent: BlockHash | None = None) -> list[BlockHash]:
+    def block_hashes(
+        self, tokens: Sequence[int], extra_keys: Sequence[Any] | None = None, parent: BlockHash | None = None
+    ) -> list[BlockHash]:
         """Chain hashes of the full blocks of ``tokens`` (``extra_keys``: one entry per block or None),
         continuing the chain after ``parent`` when given."""
         count = len(tokens) // self.block_size
@@ -76,7 +92,7 @@ class PagedCache:
         prev = b"" if parent is None else parent if isinstance(parent, bytes) else parent.to_bytes(8, "little")
         for i in range(count):
             extra = extra_bytes(extra_keys[i]) if extra_keys and i < len(extra_keys) else b""
-            chunk = prev + data[i * step:(i + 1) * step] + extra
+            chunk = prev + data[i * step : (i + 1) * step] + extra
             if self.hash_bytes:
                 digest = hashlib.sha256(self._seed_bytes + chunk).digest()
                 out.append(digest)
@@ -138,9 +154,17 @@ class PagedCache:
         while self.gpu_blocks - len(self.gpu) - self.reserved < count and self.lru:
             self._evict_one()
 
-    def store(self, alloc: Allocation, hashes: Sequence[BlockHash], tokens: Sequence[int],
-              parent: BlockHash | None, *, extras: Sequence[Any] | None = None,
-              offload_blocks: int | None = None, first_index: int = 0) -> int:
+    def store(
+        self,
+        alloc: Allocation,
+        hashes: Sequence[BlockHash],
+        tokens: Sequence[int],
+        parent: BlockHash | None,
+        *,
+        extras: Sequence[Any] | None = None,
+        offload_blocks: int | None = None,
+        first_index: int = 0,
+    ) -> int:
         """Cache computed (or fetched, or promoted) full blocks in the GPU tier; returns how many were new.
 
         ``tokens`` covers all of ``hashes``; ``parent`` is the hash before the first one. Each new
@@ -157,16 +181,23 @@ class PagedCache:
 
         def flush() -> None:
             if run_hashes:
-                self._emit(BlockStored(block_hashes=list(run_hashes), parent_block_hash=run_parent,
-                                       token_ids=list(run_tokens), block_size=bs, medium="GPU",
-                                       extra_keys=list(run_extras) if extras else None))
+                self._emit(
+                    BlockStored(
+                        block_hashes=list(run_hashes),
+                        parent_block_hash=run_parent,
+                        token_ids=list(run_tokens),
+                        block_size=bs,
+                        medium="GPU",
+                        extra_keys=list(run_extras) if extras else None,
+                    )
+                )
                 run_hashes.clear()
                 run_tokens.clear()
                 run_extras.clear()
 
         prev = parent
         for i, h in enumerate(hashes):
-            block_tokens = tokens[i * bs:(i + 1) * bs]
+            block_tokens = tokens[i * bs : (i + 1) * bs]
             extra = extras[i] if extras and i < len(extras) else None
             existing = self.gpu.get(h)
             if existing is not None:
@@ -253,12 +284,22 @@ class PagedCache:
             self._emit(BlockRemoved(block_hashes=removed, medium="CPU"))
         self.cpu[block.hash] = block
         if self.self_describing:
-            self._emit(BlockStored(block_hashes=[block.hash], parent_block_hash=block.parent,
-                                   token_ids=list(block.tokens), block_size=self.block_size, medium="CPU",
-                                   extra_keys=[block.extra] if block.extra else None))
+            self._emit(
+                BlockStored(
+                    block_hashes=[block.hash],
+                    parent_block_hash=block.parent,
+                    token_ids=list(block.tokens),
+                    block_size=self.block_size,
+                    medium="CPU",
+                    extra_keys=[block.extra] if block.extra else None,
+                )
+            )
         else:
-            self._emit(BlockStored(block_hashes=[block.hash], parent_block_hash=block.parent,
-                                   token_ids=[], block_size=0, medium="CPU"))
+            self._emit(
+                BlockStored(
+                    block_hashes=[block.hash], parent_block_hash=block.parent, token_ids=[], block_size=0, medium="CPU"
+                )
+            )
 
     def reset(self) -> bool:
         """Reset the prefix cache (vLLM refuses while blocks are in use); emits ``AllBlocksCleared``."""

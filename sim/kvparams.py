@@ -89,8 +89,11 @@ def _peer(raw: Any, key: str, *, needs_address: bool) -> PeerRef:
     kv_request_id = _str(raw.get("kv_request_id"), f"{key}.kv_request_id")
     if not needs_address:
         return PeerRef(kv_request_id)
-    return PeerRef(kv_request_id, _str(raw.get("remote_host"), f"{key}.remote_host"),
-                   _port(raw.get("remote_port"), f"{key}.remote_port"))
+    return PeerRef(
+        kv_request_id,
+        _str(raw.get("remote_host"), f"{key}.remote_host"),
+        _port(raw.get("remote_port"), f"{key}.remote_port"),
+    )
 
 
 def _tiers(raw: Any) -> tuple[tuple[str, str], ...]:
@@ -103,8 +106,9 @@ def _tiers(raw: Any) -> tuple[tuple[str, str], ...]:
         medium = str(item.get("medium", "")).upper()
         locality = str(item.get("locality", "LOCAL")).upper()
         if medium not in MEDIA or locality not in LOCALITIES:
-            raise KVParamsError(f"kv_transfer_params.kv_load_tiers[{i}] needs medium in {MEDIA} and "
-                                f"locality in {LOCALITIES}")
+            raise KVParamsError(
+                f"kv_transfer_params.kv_load_tiers[{i}] needs medium in {MEDIA} and locality in {LOCALITIES}"
+            )
         out.append((medium, locality))
     return tuple(out)
 
@@ -113,12 +117,10 @@ def _nixl_remote(raw: dict[str, Any]) -> NixlRemote | None:
     block_ids = raw.get("remote_block_ids")
     if block_ids is None:
         return None
-    if not isinstance(block_ids, list) or not all(
-            isinstance(b, int) and not isinstance(b, bool) for b in block_ids):
+    if not isinstance(block_ids, list) or not all(isinstance(b, int) and not isinstance(b, bool) for b in block_ids):
         raise KVParamsError("kv_transfer_params.remote_block_ids must be a list of integers")
     num_tokens = raw.get("remote_num_tokens")
-    if num_tokens is not None and (isinstance(num_tokens, bool) or not isinstance(num_tokens, int)
-                                   or num_tokens < 0):
+    if num_tokens is not None and (isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0):
         raise KVParamsError("kv_transfer_params.remote_num_tokens must be a non-negative integer")
     engine = raw.get("remote_engine_id")
     return NixlRemote(
@@ -139,31 +141,41 @@ def parse_kv_params(raw: Any) -> KVParams | None:
         raise KVParamsError("kv_transfer_params must be an object")
     present = [key for key in P2P_KEYS if raw.get(key) is not None]
     if len(present) > 1 and frozenset(present) != ALLOWED_COMBINATION:
-        raise KVParamsError(f"kv_transfer_params: {' + '.join(present)} may not be combined; only "
-                            "remote_decoder + remote_kv_source can be used together")
+        raise KVParamsError(
+            f"kv_transfer_params: {' + '.join(present)} may not be combined; only "
+            "remote_decoder + remote_kv_source can be used together"
+        )
     do_decode = _bool(raw.get("do_remote_decode"), "do_remote_decode")
     do_prefill = _bool(raw.get("do_remote_prefill"), "do_remote_prefill")
     if do_decode and do_prefill:
         raise KVParamsError("kv_transfer_params: do_remote_decode and do_remote_prefill cannot both be true")
     if present and (do_decode or do_prefill):
-        raise KVParamsError(f"kv_transfer_params: {present[0]} (P2P tier) cannot be combined with "
-                            "NixlConnector do_remote_decode/do_remote_prefill")
+        raise KVParamsError(
+            f"kv_transfer_params: {present[0]} (P2P tier) cannot be combined with "
+            "NixlConnector do_remote_decode/do_remote_prefill"
+        )
     max_offload = raw.get("max_offload_tokens")
-    if max_offload is not None and (isinstance(max_offload, bool) or not isinstance(max_offload, int)
-                                    or max_offload < 0):
+    if max_offload is not None and (
+        isinstance(max_offload, bool) or not isinstance(max_offload, int) or max_offload < 0
+    ):
         raise KVParamsError("kv_transfer_params.max_offload_tokens must be an integer >= 0")
     tiers = raw.get("kv_load_tiers")
     nixl = _nixl_remote(raw) if (do_decode or do_prefill) else None
     if do_prefill and nixl is None:
-        raise KVParamsError("kv_transfer_params: do_remote_prefill needs remote_block_ids, "
-                            "remote_request_id, remote_host and remote_port")
+        raise KVParamsError(
+            "kv_transfer_params: do_remote_prefill needs remote_block_ids, "
+            "remote_request_id, remote_host and remote_port"
+        )
     return KVParams(
         remote_decoder=_peer(raw["remote_decoder"], "remote_decoder", needs_address=False)
-        if raw.get("remote_decoder") is not None else None,
+        if raw.get("remote_decoder") is not None
+        else None,
         remote_prefiller=_peer(raw["remote_prefiller"], "remote_prefiller", needs_address=True)
-        if raw.get("remote_prefiller") is not None else None,
+        if raw.get("remote_prefiller") is not None
+        else None,
         remote_kv_source=_peer(raw["remote_kv_source"], "remote_kv_source", needs_address=True)
-        if raw.get("remote_kv_source") is not None else None,
+        if raw.get("remote_kv_source") is not None
+        else None,
         kv_load_tiers=_tiers(tiers) if tiers is not None else None,
         max_offload_tokens=max_offload,
         do_remote_decode=do_decode,

@@ -4,9 +4,32 @@ from __future__ import annotations
 
 from kvroute.sim.tokenizer import piece_id
 
-WORDS = ("the", "cache", "routes", "every", "token", "to", "its", "past", "and", "blocks", "stay",
-         "warm", "while", "workers", "share", "prefixes", "across", "many", "turns", "of", "an", "agent",
-         "loop", "so")
+WORDS = (
+    "the",
+    "cache",
+    "routes",
+    "every",
+    "token",
+    "to",
+    "its",
+    "past",
+    "and",
+    "blocks",
+    "stay",
+    "warm",
+    "while",
+    "workers",
+    "share",
+    "prefixes",
+    "across",
+    "many",
+    "turns",
+    "of",
+    "an",
+    "agent",
+    "loop",
+    "so",
+)
 
 
 def output_word(seed: int, index: int) -> str:

@@ -65,16 +65,31 @@ PRESETS: dict[str, Preset] = {
     # Llama-3.1-8B (32 layers, 8 KV heads, head_dim 128, BF16 -> 128 KiB/token) on one H100 80GB:
     # ~16 GFLOP/token at ~40 % MFU -> ~20k tokens/s prefill; ~55 GB for KV -> ~26k blocks of 16.
     "llama-8b-h100": Preset(
-        name="llama-8b-h100", model="meta-llama/Llama-3.1-8B-Instruct", layers=32, kv_heads=8, head_dim=128,
-        gpu_blocks=26_000, prefill_tokens_per_s=20_000.0, attention_coeff_s=1.6e-6,
-        decode_base_s=0.0065, decode_per_seq_s=0.0001,
+        name="llama-8b-h100",
+        model="meta-llama/Llama-3.1-8B-Instruct",
+        layers=32,
+        kv_heads=8,
+        head_dim=128,
+        gpu_blocks=26_000,
+        prefill_tokens_per_s=20_000.0,
+        attention_coeff_s=1.6e-6,
+        decode_base_s=0.0065,
+        decode_per_seq_s=0.0001,
     ),
     # Qwen2.5-32B (64 layers, 8 KV heads, head_dim 128, BF16 -> 256 KiB/token) on 2 x H100 (TP 2):
     # ~64 GFLOP/token -> ~9k tokens/s prefill; ~70 GB for KV over both GPUs -> ~16k blocks.
     "qwen-32b-h100x2": Preset(
-        name="qwen-32b-h100x2", model="Qwen/Qwen2.5-32B-Instruct", layers=64, kv_heads=8, head_dim=128,
-        gpu_blocks=16_000, prefill_tokens_per_s=9_000.0, attention_coeff_s=2.4e-6,
-        decode_base_s=0.016, decode_per_seq_s=0.0002, link_bytes_per_s=50e9,
+        name="qwen-32b-h100x2",
+        model="Qwen/Qwen2.5-32B-Instruct",
+        layers=64,
+        kv_heads=8,
+        head_dim=128,
+        gpu_blocks=16_000,
+        prefill_tokens_per_s=9_000.0,
+        attention_coeff_s=2.4e-6,
+        decode_base_s=0.016,
+        decode_per_seq_s=0.0002,
+        link_bytes_per_s=50e9,
     ),
     # Qwen3-32B on one AWS p5en.48xlarge per phase (the seed article's multi-turn reuse case). Shape:
     # 64 layers, 64 query / 8 KV heads, head_dim 128, hidden 5120, intermediate 25600, BF16 (Qwen3
@@ -103,16 +118,38 @@ PRESETS: dict[str, Preset] = {
     # - decode_*: rough (not used by the reuse case): ~8 GB of weights per GPU at 4.8 TB/s + TP 8
     #   all-reduces; the seed article reports TPOT 7-10 ms under load.
     "qwen3-32b-p5en": Preset(
-        name="qwen3-32b-p5en", model="Qwen/Qwen3-32B", layers=64, kv_heads=8, head_dim=128,
-        max_model_len=40_960, gpu_blocks=200_000, prefill_tokens_per_s=50_700.0, attention_coeff_s=4.37e-7,
-        decode_base_s=0.006, decode_per_seq_s=0.00005, link_bytes_per_s=76.8e9, transfer_setup_s=0.0125,
+        name="qwen3-32b-p5en",
+        model="Qwen/Qwen3-32B",
+        layers=64,
+        kv_heads=8,
+        head_dim=128,
+        max_model_len=40_960,
+        gpu_blocks=200_000,
+        prefill_tokens_per_s=50_700.0,
+        attention_coeff_s=4.37e-7,
+        decode_base_s=0.006,
+        decode_per_seq_s=0.00005,
+        link_bytes_per_s=76.8e9,
+        transfer_setup_s=0.0125,
         transfer_per_block_s=128 * 2.44e-6,
     ),
     # A tiny preset for tests: small cache so evictions happen, fast everything.
     "tiny": Preset(
-        name="tiny", model="sim-tiny", layers=4, kv_heads=2, head_dim=64, max_model_len=8192,
-        max_num_seqs=8, gpu_blocks=64, cpu_blocks=0, prefill_tokens_per_s=50_000.0, attention_coeff_s=0.0,
-        decode_base_s=0.001, decode_per_seq_s=0.0, link_bytes_per_s=1e9, promote_bytes_per_s=2e9,
+        name="tiny",
+        model="sim-tiny",
+        layers=4,
+        kv_heads=2,
+        head_dim=64,
+        max_model_len=8192,
+        max_num_seqs=8,
+        gpu_blocks=64,
+        cpu_blocks=0,
+        prefill_tokens_per_s=50_000.0,
+        attention_coeff_s=0.0,
+        decode_base_s=0.001,
+        decode_per_seq_s=0.0,
+        link_bytes_per_s=1e9,
+        promote_bytes_per_s=2e9,
     ),
 }
 

@@ -36,9 +36,19 @@ def _bind(sock: zmq.Socket, endpoint: str) -> str:
 class EventPublisher:
     """Publishes a worker's KV events; events added in one loop iteration form one batch (one step)."""
 
-    def __init__(self, endpoint: str, *, mode: BindMode = "auto", topic: str = "",
-                 replay_endpoint: str | None = None, buffer_steps: int = 10_000, hwm: int = 100_000,
-                 form: EventForm = "map", dp_rank: int = 0, replay_with_topic: bool = True) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        mode: BindMode = "auto",
+        topic: str = "",
+        replay_endpoint: str | None = None,
+        buffer_steps: int = 10_000,
+        hwm: int = 100_000,
+        form: EventForm = "map",
+        dp_rank: int = 0,
+        replay_with_topic: bool = True,
+    ) -> None:
         self.requested_endpoint = endpoint
         self.bind = vllm_binds(endpoint) if mode == "auto" else mode == "bind"
         self.topic = topic

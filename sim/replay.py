@@ -64,12 +64,17 @@ class ReplayReport:
         e2e = [r.e2e_s for r in ok if r.e2e_s is not None]
         prompt = sum(r.prompt_tokens for r in ok)
         return {
-            "trace": self.trace, "requests": len(self.results), "errors": len(self.results) - len(ok),
-            "ttft_p50_s": percentile(ttft, 50), "ttft_p90_s": percentile(ttft, 90),
-            "ttft_p99_s": percentile(ttft, 99), "e2e_p50_s": percentile(e2e, 50),
+            "trace": self.trace,
+            "requests": len(self.results),
+            "errors": len(self.results) - len(ok),
+            "ttft_p50_s": percentile(ttft, 50),
+            "ttft_p90_s": percentile(ttft, 90),
+            "ttft_p99_s": percentile(ttft, 99),
+            "e2e_p50_s": percentile(e2e, 50),
             "e2e_p99_s": percentile(e2e, 99),
             "cached_token_ratio": (sum(r.cached_tokens for r in ok) / prompt) if prompt else 0.0,
-            "prompt_tokens": prompt, "completion_tokens": sum(r.completion_tokens for r in ok),
+            "prompt_tokens": prompt,
+            "completion_tokens": sum(r.completion_tokens for r in ok),
             "throughput_rps": len(ok) / self.duration_s if self.duration_s > 0 else 0.0,
             "duration_s": self.duration_s,
         }
@@ -78,8 +83,9 @@ class ReplayReport:
         return [asdict(r) for r in self.results]
 
 
-async def _one(client: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str],
-               result: RequestResult) -> str:
+async def _one(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str], result: RequestResult
+) -> str:
     """Send one streaming chat request; fill ``result``; return the answer text."""
     t0 = time.perf_counter()
     pieces: list[str] = []
@@ -121,17 +127,29 @@ def _chat_url(target: Target, session: Session, turn: int) -> str:
     return base.rstrip("/") + "/v1/chat/completions"
 
 
-async def _session(client: httpx.AsyncClient, target: Target, model: str | None, session: Session,
-                   start: float, time_scale: float, report: ReplayReport,
-                   on_result: Callable[[RequestResult], None] | None, conversation_field: str | None) -> None:
+async def _session(
+    client: httpx.AsyncClient,
+    target: Target,
+    model: str | None,
+    session: Session,
+    start: float,
+    time_scale: float,
+    report: ReplayReport,
+    on_result: Callable[[RequestResult], None] | None,
+    conversation_field: str | None,
+) -> None:
     await asyncio.sleep(max(0.0, start + session.start_s * time_scale - time.perf_counter()))
     messages: list[dict[str, str]] = [{"role": "system", "content": session.system}]
     for turn, step in enumerate(session.steps):
         if step.delay_s:
             await asyncio.sleep(step.delay_s * time_scale)
         messages.append({"role": step.role, "content": step.content})
-        body: dict[str, Any] = {"messages": messages, "max_tokens": step.max_tokens, "stream": True,
-                                "stream_options": {"include_usage": True}}
+        body: dict[str, Any] = {
+            "messages": messages,
+            "max_tokens": step.max_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         if model:
             body["model"] = model
         if conversation_field:
@@ -147,9 +165,17 @@ async def _session(client: httpx.AsyncClient, target: Target, model: str | None,
         messages.append({"role": "assistant", "content": answer})
 
 
-async def replay(trace: Trace, base_url: Target, *, model: str | None = None, time_scale: float = 1.0,
-                 timeout_s: float = 600.0, on_result: Callable[[RequestResult], None] | None = None,
-                 conversation_field: str | None = None, max_connections: int = 512) -> ReplayReport:
+async def replay(
+    trace: Trace,
+    base_url: Target,
+    *,
+    model: str | None = None,
+    time_scale: float = 1.0,
+    timeout_s: float = 600.0,
+    on_result: Callable[[RequestResult], None] | None = None,
+    conversation_field: str | None = None,
+    max_connections: int = 512,
+) -> ReplayReport:
     """Replay ``trace`` against ``base_url`` (``/v1/chat/completions``); arrival times x ``time_scale``.
 
     ``base_url`` may be a function of (session, turn) for client-side routing baselines."""
@@ -157,7 +183,11 @@ async def replay(trace: Trace, base_url: Target, *, model: str | None = None, ti
     limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
     async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
         start = time.perf_counter()
-        await asyncio.gather(*(_session(client, base_url, model, s, start, time_scale, report, on_result,
-                                        conversation_field) for s in trace.sessions))
+        await asyncio.gather(
+            *(
+                _session(client, base_url, model, s, start, time_scale, report, on_result, conversation_field)
+                for s in trace.sessions
+            )
+        )
         report.duration_s = time.perf_counter() - start
     return report

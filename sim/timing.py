@@ -36,5 +36,4 @@ def transfer_seconds(preset: Preset, blocks: int, link_bytes_per_s: float | None
     if blocks <= 0:
         return 0.0
     bandwidth = link_bytes_per_s or preset.link_bytes_per_s
-    return (preset.transfer_setup_s + blocks * preset.transfer_per_block_s
-            + blocks * preset.bytes_per_block / bandwidth)
+    return preset.transfer_setup_s + blocks * preset.transfer_per_block_s + blocks * preset.bytes_per_block / bandwidth

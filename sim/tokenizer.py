@@ -92,8 +92,7 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
-                    ) -> list[int]: ...
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]: ...
 
 
 class BuiltinTokenizer:
@@ -104,8 +103,7 @@ class BuiltinTokenizer:
     def encode(self, text: str) -> list[int]:
         return tokenize(text)
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
-                    ) -> list[int]:
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         return encode_chat(messages, add_generation_prompt)
 
 
@@ -144,12 +142,12 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=True).ids
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
-                    ) -> list[int]:
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         if self._template is None:
             return self.encode(render_chat(messages, add_generation_prompt))
-        text = self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                     bos_token=self._bos or "")
+        text = self._template.render(
+            messages=list(messages), add_generation_prompt=add_generation_prompt, bos_token=self._bos or ""
+        )
         # The template already placed the specials (as vLLM does for chat requests).
         return self._tok.encode(text, add_special_tokens=False).ids
 

@@ -14,8 +14,7 @@ from typing import Literal
 
 Kind = Literal["agentic", "chat"]
 
-_SYLLABLES = ("ka", "lo", "mi", "ne", "ru", "ta", "vo", "si", "de", "pa", "zu", "gre", "bli", "tor", "fen",
-              "qua")
+_SYLLABLES = ("ka", "lo", "mi", "ne", "ru", "ta", "vo", "si", "de", "pa", "zu", "gre", "bli", "tor", "fen", "qua")
 
 
 def _vocabulary(rng: random.Random, size: int = 4096) -> list[str]:
@@ -63,11 +62,19 @@ def _text(rng: random.Random, vocab: list[str], n: int) -> str:
     return " ".join(rng.choices(vocab, k=max(n, 1)))
 
 
-def agentic_trace(seed: int = 0, *, sessions: int = 16, steps: tuple[int, int] = (8, 24),
-                  system_tokens: int = 1500, task_tokens: tuple[int, int] = (50, 300),
-                  tool_tokens: tuple[int, int] = (100, 1500), answer_tokens: tuple[int, int] = (20, 120),
-                  arrival_rate: float = 1.0, tool_time_s: tuple[float, float] = (0.2, 2.0),
-                  name: str = "agentic") -> Trace:
+def agentic_trace(
+    seed: int = 0,
+    *,
+    sessions: int = 16,
+    steps: tuple[int, int] = (8, 24),
+    system_tokens: int = 1500,
+    task_tokens: tuple[int, int] = (50, 300),
+    tool_tokens: tuple[int, int] = (100, 1500),
+    answer_tokens: tuple[int, int] = (20, 120),
+    arrival_rate: float = 1.0,
+    tool_time_s: tuple[float, float] = (0.2, 2.0),
+    name: str = "agentic",
+) -> Trace:
     """Agent sessions: one shared system prompt (tools, instructions), a task, then many steps where a
     tool's output is appended to a growing history (tens of thousands of tokens by the end)."""
     rng = random.Random(seed)
@@ -80,16 +87,30 @@ def agentic_trace(seed: int = 0, *, sessions: int = 16, steps: tuple[int, int] =
         n_steps = rng.randint(*steps)
         task = _text(rng, vocab, rng.randint(*task_tokens))
         first = Step("task: " + task, rng.randint(*answer_tokens), 0.0)
-        rest = [Step("tool output: " + _text(rng, vocab, rng.randint(*tool_tokens)),
-                     rng.randint(*answer_tokens), rng.uniform(*tool_time_s)) for _ in range(n_steps - 1)]
+        rest = [
+            Step(
+                "tool output: " + _text(rng, vocab, rng.randint(*tool_tokens)),
+                rng.randint(*answer_tokens),
+                rng.uniform(*tool_time_s),
+            )
+            for _ in range(n_steps - 1)
+        ]
         out.append(Session(f"{name}-{seed}-{i}", "agentic", t, system, (first, *rest)))
     return Trace(name, seed, tuple(out))
 
 
-def chat_trace(seed: int = 0, *, sessions: int = 32, turns: tuple[int, int] = (1, 3),
-               system_tokens: tuple[int, int] = (20, 200), user_tokens: tuple[int, int] = (50, 600),
-               answer_tokens: tuple[int, int] = (50, 300), arrival_rate: float = 4.0,
-               think_time_s: tuple[float, float] = (2.0, 10.0), name: str = "chat") -> Trace:
+def chat_trace(
+    seed: int = 0,
+    *,
+    sessions: int = 32,
+    turns: tuple[int, int] = (1, 3),
+    system_tokens: tuple[int, int] = (20, 200),
+    user_tokens: tuple[int, int] = (50, 600),
+    answer_tokens: tuple[int, int] = (50, 300),
+    arrival_rate: float = 4.0,
+    think_time_s: tuple[float, float] = (2.0, 10.0),
+    name: str = "chat",
+) -> Trace:
     """Plain chat: short conversations, each with its own system prompt (little sharing)."""
     rng = random.Random(seed + 1_000_003)
     vocab = _vocabulary(rng)
@@ -97,15 +118,22 @@ def chat_trace(seed: int = 0, *, sessions: int = 32, turns: tuple[int, int] = (1
     t = 0.0
     for i in range(sessions):
         t += rng.expovariate(arrival_rate) if arrival_rate > 0 else 0.0
-        steps = tuple(Step(_text(rng, vocab, rng.randint(*user_tokens)), rng.randint(*answer_tokens),
-                           0.0 if k == 0 else rng.uniform(*think_time_s)) for k in range(rng.randint(*turns)))
+        steps = tuple(
+            Step(
+                _text(rng, vocab, rng.randint(*user_tokens)),
+                rng.randint(*answer_tokens),
+                0.0 if k == 0 else rng.uniform(*think_time_s),
+            )
+            for k in range(rng.randint(*turns))
+        )
         system = _text(rng, vocab, rng.randint(*system_tokens))
         out.append(Session(f"{name}-{seed}-{i}", "chat", t, system, steps))
     return Trace(name, seed, tuple(out))
 
 
-def mixed_trace(seed: int = 0, *, agentic_sessions: int = 8, chat_sessions: int = 24, **agentic_kwargs: object
-                ) -> Trace:
+def mixed_trace(
+    seed: int = 0, *, agentic_sessions: int = 8, chat_sessions: int = 24, **agentic_kwargs: object
+) -> Trace:
     """Agents and chat users sharing one pool, arrivals interleaved."""
     agents = agentic_trace(seed, sessions=agentic_sessions, **agentic_kwargs)  # type: ignore[arg-type]
     chats = chat_trace(seed, sessions=chat_sessions)

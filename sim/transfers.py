@@ -167,7 +167,7 @@ class Transfers:
             hold = self.holds["p2p"].get(key)
             if hold is None or not hold.ready.is_set():
                 return {"status": MISS, "num_blocks": 0}
-            n = _prefix(hashes, hold.hashes[int(msg.get("start", 0)):])
+            n = _prefix(hashes, hold.hashes[int(msg.get("start", 0)) :])
             nbytes, _ = await self._send(n, "p2p")
             self.drop_hold("p2p", key, hold)  # single use
             return {"status": "OK", "num_blocks": n, "bytes": nbytes}
@@ -223,8 +223,9 @@ class Transfers:
             return await self._nixl_pull(kv.nixl_remote, start, limit, hashes)
         return 0
 
-    async def _call(self, host: str, port: int, msg: dict[str, Any], extra_timeout: float = 0.0
-                    ) -> dict[str, Any] | None:
+    async def _call(
+        self, host: str, port: int, msg: dict[str, Any], extra_timeout: float = 0.0
+    ) -> dict[str, Any] | None:
         assert self.client is not None
         return await self.client.call(host, port, msg, self.opts.control_timeout_s + extra_timeout)
 
@@ -236,15 +237,18 @@ class Transfers:
         poll = max(self.opts.scaled(self.opts.p2p_poll_s), 0.001)
         retries = 0
         while True:
-            reply = await self._call(peer.host, peer.port, {"op": "lookup", "mode": mode, "hashes": want,
-                                                             "kv_request_id": peer.kv_request_id})
+            reply = await self._call(
+                peer.host,
+                peer.port,
+                {"op": "lookup", "mode": mode, "hashes": want, "kv_request_id": peer.kv_request_id},
+            )
             if reply is None:
                 return 0
             status = reply.get("status")
             n = int(reply.get("num_blocks") or 0)
             if status == RETRY and retries < self.opts.p2p_max_retries:
                 retries += 1
-                await asyncio.sleep(poll * (2 ** retries))
+                await asyncio.sleep(poll * (2**retries))
                 continue
             if status == HIT_PENDING and loop.time() < deadline:
                 await asyncio.sleep(poll)
@@ -255,25 +259,29 @@ class Transfers:
             return 0
         expected = self.opts.scaled(transfer_seconds(self.engine.preset, n - start))
         t0 = loop.time()
-        reply = await self._call(peer.host, peer.port, {"op": "fetch", "mode": mode, "start": start,
-                                                         "hashes": want[start:n],
-                                                         "kv_request_id": peer.kv_request_id}, expected)
+        reply = await self._call(
+            peer.host,
+            peer.port,
+            {"op": "fetch", "mode": mode, "start": start, "hashes": want[start:n], "kv_request_id": peer.kv_request_id},
+            expected,
+        )
         if reply is None or reply.get("status") != "OK":
             return 0
         got = min(int(reply.get("num_blocks") or 0), n - start)
-        self.metrics.transfer("received", "p2p", got, got * self.engine.preset.bytes_per_block,
-                              loop.time() - t0)
+        self.metrics.transfer("received", "p2p", got, got * self.engine.preset.bytes_per_block, loop.time() - t0)
         return got
 
-    async def _nixl_pull(self, remote: NixlRemote, start: int, limit: int,
-                         hashes: list[BlockHash] | None) -> int:
+    async def _nixl_pull(self, remote: NixlRemote, start: int, limit: int, hashes: list[BlockHash] | None) -> int:
         """Read the other side's blocks by id. With ``hashes`` (bidirectional reuse on a prefiller), first
         ask how many are reusable and pull only past ``kv_recompute_threshold`` tokens."""
         loop = asyncio.get_running_loop()
         end = min(limit, len(remote.block_ids))
         if hashes is not None:
-            reply = await self._call(remote.host, remote.port, {"op": "nixl_lookup", "hashes": hashes[:limit],
-                                                                 "remote_request_id": remote.request_id})
+            reply = await self._call(
+                remote.host,
+                remote.port,
+                {"op": "nixl_lookup", "hashes": hashes[:limit], "remote_request_id": remote.request_id},
+            )
             n = int(reply.get("num_blocks") or 0) if reply and reply.get("status") == HIT else 0
             end = min(end, n)
             if (end - start) * self.cache.block_size < self.opts.kv_recompute_threshold:
@@ -283,14 +291,12 @@ class Transfers:
             return 0
         expected = self.opts.scaled(transfer_seconds(self.engine.preset, end - start))
         t0 = loop.time()
-        read = {"op": "nixl_read", "remote_request_id": remote.request_id,
-                "block_ids": remote.block_ids[start:end]}
+        read = {"op": "nixl_read", "remote_request_id": remote.request_id, "block_ids": remote.block_ids[start:end]}
         reply = await self._call(remote.host, remote.port, read, expected)
         if reply is None or reply.get("status") != "OK":
             return 0
         got = min(int(reply.get("num_blocks") or 0), end - start)
-        self.metrics.transfer("received", "nixl", got, got * self.engine.preset.bytes_per_block,
-                              loop.time() - t0)
+        self.metrics.transfer("received", "nixl", got, got * self.engine.preset.bytes_per_block, loop.time() - t0)
         return got
 
 

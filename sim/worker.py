@@ -38,8 +38,14 @@ def _listen(host: str, port: int) -> socket.socket:
 class SimWorker:
     """``async with SimWorker(WorkerOptions(...)) as w: w.url, w.events_endpoint, w.p2p_port``."""
 
-    def __init__(self, opts: WorkerOptions | None = None, *, ctx: zmq.Context | None = None,
-                 actx: zmq.asyncio.Context | None = None, tokenizer: Tokenizer | None = None) -> None:
+    def __init__(
+        self,
+        opts: WorkerOptions | None = None,
+        *,
+        ctx: zmq.Context | None = None,
+        actx: zmq.asyncio.Context | None = None,
+        tokenizer: Tokenizer | None = None,
+    ) -> None:
         self.opts = opts or WorkerOptions()
         self._own_ctx = ctx is None
         self._ctx = ctx or zmq.Context()
@@ -52,8 +58,14 @@ class SimWorker:
         self.p2p = P2PServer(self._p2p_handle)
         self.client = P2PClient(self._actx)
         self.engine_id = f"sim-{uuid.uuid4().hex[:12]}"
-        self.engine = Engine(self.opts, self._emit, self.client, engine_id=self.engine_id,
-                             p2p_host=self.opts.host, p2p_port=lambda: self.p2p.port)
+        self.engine = Engine(
+            self.opts,
+            self._emit,
+            self.client,
+            engine_id=self.engine_id,
+            p2p_host=self.opts.host,
+            p2p_port=lambda: self.p2p.port,
+        )
         self._server: uvicorn.Server | None = None
         self._sock: socket.socket | None = None
         self.http_port = 0
@@ -99,25 +111,40 @@ class SimWorker:
 
     def worker_config(self) -> dict[str, Any]:
         """This worker as a ``kvroute serve`` ``workers:`` entry (router/config.py WorkerConfig)."""
-        entry: dict[str, Any] = {"url": self.url, "id": self.worker_id, "role": self.opts.role,
-                                 "models": [self.model], "kv_events": self.events_endpoint,
-                                 "replay": self.replay_endpoint, "p2p_host": self.opts.host,
-                                 "p2p_port": self.p2p_port}
+        entry: dict[str, Any] = {
+            "url": self.url,
+            "id": self.worker_id,
+            "role": self.opts.role,
+            "models": [self.model],
+            "kv_events": self.events_endpoint,
+            "replay": self.replay_endpoint,
+            "p2p_host": self.opts.host,
+            "p2p_port": self.p2p_port,
+        }
         if self.topic:
             entry["kv_events_topic"] = self.topic
         return entry
 
     def describe(self) -> dict[str, Any]:
-        return {"worker_id": self.worker_id, "engine_id": self.engine_id, "role": self.opts.role,
-                "url": self.url, "kv_events": self.events_endpoint, "replay": self.replay_endpoint,
-                "p2p_port": self.p2p_port, "topic": self.topic}
+        return {
+            "worker_id": self.worker_id,
+            "engine_id": self.engine_id,
+            "role": self.opts.role,
+            "url": self.url,
+            "kv_events": self.events_endpoint,
+            "replay": self.replay_endpoint,
+            "p2p_port": self.p2p_port,
+            "topic": self.topic,
+        }
 
     def stats(self) -> dict[str, Any]:
         """Counters a demo or a benchmark reports per worker (the same numbers /metrics exposes)."""
         m = self.engine.metrics
         return {
-            "worker_id": self.worker_id, "role": self.opts.role,
-            "running": self.engine.running, "waiting": self.engine.waiting,
+            "worker_id": self.worker_id,
+            "role": self.opts.role,
+            "running": self.engine.running,
+            "waiting": self.engine.waiting,
             "kv_cache_usage": self.engine.cache.usage(),
             "prefix_cache_queries": m.sample("vllm:prefix_cache_queries_total"),
             "prefix_cache_hits": m.sample("vllm:prefix_cache_hits_total"),
@@ -151,14 +178,25 @@ class SimWorker:
         if mode == "connect" and not topic:
             topic = f"kv@{self.worker_id}"  # workers sharing one SUB socket are told apart by topic
         self.publisher = EventPublisher(
-            endpoint, mode=mode, topic=topic,  # type: ignore[arg-type]
+            endpoint,
+            mode=mode,
+            topic=topic,  # type: ignore[arg-type]
             replay_endpoint=f"tcp://{zhost}:{opts.replay_port}" if opts.replay else None,
-            buffer_steps=opts.buffer_steps, hwm=opts.hwm, form=opts.event_form,
-            replay_with_topic=opts.replay_with_topic)
+            buffer_steps=opts.buffer_steps,
+            hwm=opts.hwm,
+            form=opts.event_form,
+            replay_with_topic=opts.replay_with_topic,
+        )
         self.publisher.start(self._ctx, self._actx)
         self.p2p.start(self._actx, opts.host, opts.p2p_port)
-        config = uvicorn.Config(build_app(self), log_level="warning", access_log=False, lifespan="off",
-                                timeout_keep_alive=30, timeout_graceful_shutdown=1)
+        config = uvicorn.Config(
+            build_app(self),
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            timeout_keep_alive=30,
+            timeout_graceful_shutdown=1,
+        )
         self._server = uvicorn.Server(config)
         config.load()
         self._server.lifespan = config.lifespan_class(config)

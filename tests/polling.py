@@ -7,8 +7,9 @@ from collections.abc import Callable
 from typing import Any
 
 
-async def eventually(predicate: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02,
-                     what: str = "condition") -> Any:
+async def eventually(
+    predicate: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02, what: str = "condition"
+) -> Any:
     """Wait until ``predicate()`` (sync or async) is truthy and return its value; fail the test after a
     generous ``timeout``. A bounded wait, never a timing assertion."""
     loop = asyncio.get_running_loop()

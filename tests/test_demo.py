@@ -10,9 +10,25 @@ from pathlib import Path
 def test_demo_compares_policies_and_draws_a_chart(tmp_path: Path) -> None:
     out = tmp_path / "demo"
     run = subprocess.run(
-        [sys.executable, "-m", "kvroute.cli", "demo", "--policies", "round_robin,kvaware", "--sessions", "2",
-         "--steps", "2,3", "--time-scale", "0.1", "--out", str(out)],
-        capture_output=True, text=True, timeout=240,
+        [
+            sys.executable,
+            "-m",
+            "kvroute.cli",
+            "demo",
+            "--policies",
+            "round_robin,kvaware",
+            "--sessions",
+            "2",
+            "--steps",
+            "2,3",
+            "--time-scale",
+            "0.1",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert run.returncode == 0, run.stderr[-2000:]
     table = (out / "demo.txt").read_text().splitlines()

@@ -15,15 +15,31 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_script(script: str, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / script), *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return done
 
 
 def test_routing_bench_reports_every_policy_with_engine_counters(tmp_path: Path) -> None:
-    done = run_script("routing.py", "--workers", "2", "--sessions", "3", "--steps", "2,3", "--chat-sessions", "3",
-                      "--policies", "round_robin,kvaware", "--time-scale", "0.1", "--out", str(tmp_path))
+    done = run_script(
+        "routing.py",
+        "--workers",
+        "2",
+        "--sessions",
+        "3",
+        "--steps",
+        "2,3",
+        "--chat-sessions",
+        "3",
+        "--policies",
+        "round_robin,kvaware",
+        "--time-scale",
+        "0.1",
+        "--out",
+        str(tmp_path),
+    )
     assert "p50 / p99 vs" in done.stdout
     report = json.loads((tmp_path / "routing.json").read_text())
     for kind in ("agentic", "chat"):
@@ -43,8 +59,19 @@ def test_routing_bench_reports_every_policy_with_engine_counters(tmp_path: Path)
 
 
 def test_multiturn_reuse_bench_compares_with_the_timing_model(tmp_path: Path) -> None:
-    run_script("multiturn_reuse.py", "--presets", "llama-8b-h100", "--history", "3000", "--new-tokens", "50",
-               "--repeats", "1", "--out", str(tmp_path))
+    run_script(
+        "multiturn_reuse.py",
+        "--presets",
+        "llama-8b-h100",
+        "--history",
+        "3000",
+        "--new-tokens",
+        "50",
+        "--repeats",
+        "1",
+        "--out",
+        str(tmp_path),
+    )
     data = json.loads((tmp_path / "multiturn_reuse.json").read_text())
     (row,) = data["table"]
     assert row["preset"] == "llama-8b-h100"

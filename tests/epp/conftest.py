@@ -56,11 +56,22 @@ def header_map(pairs: Sequence[tuple[str, str]]) -> base_pb2.HeaderMap:
     return base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs])
 
 
-def request_headers(path: str = "/v1/completions", *, mode: int | None = FULL_DUPLEX, eos: bool = False,
-                    subset: list[str] | None = None, method: str = "POST") -> pb.ProcessingRequest:
-    msg = pb.ProcessingRequest(request_headers=pb.HttpHeaders(
-        headers=header_map([(":method", method), (":path", path), (":authority", "gw"),
-                            ("content-type", "application/json")]), end_of_stream=eos))
+def request_headers(
+    path: str = "/v1/completions",
+    *,
+    mode: int | None = FULL_DUPLEX,
+    eos: bool = False,
+    subset: list[str] | None = None,
+    method: str = "POST",
+) -> pb.ProcessingRequest:
+    msg = pb.ProcessingRequest(
+        request_headers=pb.HttpHeaders(
+            headers=header_map(
+                [(":method", method), (":path", path), (":authority", "gw"), ("content-type", "application/json")]
+            ),
+            end_of_stream=eos,
+        )
+    )
     if mode is not None:
         msg.protocol_config.request_body_mode = mode
         msg.protocol_config.response_body_mode = mode
@@ -76,8 +87,9 @@ def request_body(chunk: bytes, eos: bool) -> pb.ProcessingRequest:
 
 
 def response_headers(status: int, content_type: str = "application/json") -> pb.ProcessingRequest:
-    return pb.ProcessingRequest(response_headers=pb.HttpHeaders(
-        headers=header_map([(":status", str(status)), ("content-type", content_type)])))
+    return pb.ProcessingRequest(
+        response_headers=pb.HttpHeaders(headers=header_map([(":status", str(status)), ("content-type", content_type)]))
+    )
 
 
 def response_body(chunk: bytes, eos: bool) -> pb.ProcessingRequest:

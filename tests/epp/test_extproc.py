@@ -33,7 +33,7 @@ def completion(model: str, prompt: str, **extra: Any) -> dict[str, Any]:
 
 def chunks(data: bytes, n: int) -> list[bytes]:
     step = -(-len(data) // n)
-    return [data[i:i + step] for i in range(0, len(data), step)]
+    return [data[i : i + step] for i in range(0, len(data), step)]
 
 
 async def test_full_duplex_pick_rewrite_and_outcome() -> None:
@@ -45,8 +45,9 @@ async def test_full_duplex_pick_rewrite_and_outcome() -> None:
         await eventually(lambda: indexed_blocks(client, picker.url, holder.worker_id))
 
         # The client tries to steer the KV transfer; the body arrives in several chunks.
-        sent = completion(fleet.model, prompt + " next",
-                          kv_transfer_params={"remote_host": "evil.example", "remote_port": 1})
+        sent = completion(
+            fleet.model, prompt + " next", kv_transfer_params={"remote_host": "evil.example", "remote_port": 1}
+        )
         envoy = Envoy(picker.stub)
         parts = chunks(orjson.dumps(sent), 3)
         await envoy.send(request_headers(), *(request_body(p, i == len(parts) - 1) for i, p in enumerate(parts)))
@@ -66,8 +67,9 @@ async def test_full_duplex_pick_rewrite_and_outcome() -> None:
         assert rewritten["prompt"] == sent["prompt"]
 
         # Envoy forwards the rewritten body to the picked endpoint, then shows the picker the answer.
-        answer = await client.post(f"http://{endpoint}/v1/completions", content=streamed.body,
-                                   headers={"content-type": "application/json"})
+        answer = await client.post(
+            f"http://{endpoint}/v1/completions", content=streamed.body, headers={"content-type": "application/json"}
+        )
         assert answer.status_code == 200
         assert answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 192
         await envoy.send(response_headers(200))
@@ -108,10 +110,11 @@ async def test_subset_hint_buffered_mode_and_errors() -> None:
         assert picked_metadata(picked) == endpoint_of(other.url)
         # A streamed answer: usage is read from the SSE data lines (buffered mode: acknowledged, not echoed).
         usage = {"prompt_tokens": 120, "prompt_tokens_details": {"cached_tokens": 0}}
-        await envoy.send(response_headers(200, "text/event-stream"),
-                         response_body(b'data: {"choices": [{"text": "a"}]}\n\n', False),
-                         response_body(b"data: " + orjson.dumps({"choices": [], "usage": usage}) + b"\n\n"
-                                       b"data: [DONE]\n\n", True))
+        await envoy.send(
+            response_headers(200, "text/event-stream"),
+            response_body(b'data: {"choices": [{"text": "a"}]}\n\n', False),
+            response_body(b"data: " + orjson.dumps({"choices": [], "usage": usage}) + b"\n\ndata: [DONE]\n\n", True),
+        )
         kinds = [a.WhichOneof("response") for a in await envoy.recv(3)]
         assert kinds == ["response_headers", "response_body", "response_body"]
         await envoy.close()
@@ -120,16 +123,19 @@ async def test_subset_hint_buffered_mode_and_errors() -> None:
 
         # A subset none of whose endpoints is ours: 503, as the protocol requires.
         envoy = Envoy(picker.stub)
-        await envoy.send(request_headers(subset=["10.255.0.1:8000"]),
-                         request_body(orjson.dumps(completion(fleet.model, prompt)), True))
+        await envoy.send(
+            request_headers(subset=["10.255.0.1:8000"]),
+            request_body(orjson.dumps(completion(fleet.model, prompt)), True),
+        )
         (refused,) = await envoy.recv()
         assert refused.immediate_response.status.code == 503
         assert orjson.loads(refused.immediate_response.body)["error"]["code"] == "no_healthy_worker"
 
         # A malformed body: 400 with an OpenAI-style JSON error, and the stream ends cleanly.
         envoy = Envoy(picker.stub)
-        await envoy.send(request_headers(), request_body(b'{"model": "x", "prompt": ', False),
-                         request_body(b"oops", True))
+        await envoy.send(
+            request_headers(), request_body(b'{"model": "x", "prompt": ', False), request_body(b"oops", True)
+        )
         (bad,) = await envoy.recv()
         assert bad.immediate_response.status.code == 400
         error = orjson.loads(bad.immediate_response.body)["error"]
@@ -152,8 +158,11 @@ def dead_port() -> int:
 
 @pytest.mark.timeout(30)
 async def test_no_healthy_worker_is_503() -> None:
-    config = {"workers": [{"url": f"http://127.0.0.1:{dead_port()}", "models": ["m1"]}],
-              "health_interval_s": 0.1, "unhealthy_after": 1}
+    config = {
+        "workers": [{"url": f"http://127.0.0.1:{dead_port()}", "models": ["m1"]}],
+        "health_interval_s": 0.1,
+        "unhealthy_after": 1,
+    }
     async with running_epp(config) as picker, httpx.AsyncClient(timeout=10) as client:
         await eventually(lambda: _unhealthy(client, picker.url))
         envoy = Envoy(picker.stub)
@@ -177,8 +186,13 @@ async def test_p2p_plan_injects_the_peer_and_the_engine_pulls_from_it() -> None:
     slow = {"sim-tiny": {"prefill_tokens_per_s": 2000.0}}
     fleet = SimFleet(2, "tiny", time_scale=0.01, preset_overrides={"gpu_blocks": 512})
     async with fleet, httpx.AsyncClient(timeout=30) as client:
-        config = fleet.serve_config(policy="kvaware", health_interval_s=0.2, metrics_interval_s=0.2,
-                                    pool={"kv_protocol": "p2p"}, policy_options={"models": slow})
+        config = fleet.serve_config(
+            policy="kvaware",
+            health_interval_s=0.2,
+            metrics_interval_s=0.2,
+            pool={"kv_protocol": "p2p"},
+            policy_options={"models": slow},
+        )
         async with running_epp(config) as picker:
             holder, other = fleet.workers
             prompt = words(1500, "hot")
@@ -186,13 +200,19 @@ async def test_p2p_plan_injects_the_peer_and_the_engine_pulls_from_it() -> None:
 
             async def indexed() -> bool:
                 return await indexed_blocks(client, picker.url, holder.worker_id) >= 80
+
             await eventually(indexed, what="the holder's blocks in the index")
             pipeline = picker.app.state.kvroute.pipeline
             pipeline.policy = BusyHolder(pipeline.policy, holder.worker_id)
 
             envoy = Envoy(picker.stub)
-            sent = completion(fleet.model, prompt, kv_transfer_params={
-                "remote_kv_source": {"kv_request_id": "x", "remote_host": "evil.example", "remote_port": 1}})
+            sent = completion(
+                fleet.model,
+                prompt,
+                kv_transfer_params={
+                    "remote_kv_source": {"kv_request_id": "x", "remote_host": "evil.example", "remote_port": 1}
+                },
+            )
             await envoy.send(request_headers(), request_body(orjson.dumps(sent), True))
             head, body = await envoy.recv(2)
             assert picked_metadata(head) == endpoint_of(other.url)
@@ -200,8 +220,9 @@ async def test_p2p_plan_injects_the_peer_and_the_engine_pulls_from_it() -> None:
             source = orjson.loads(forwarded)["kv_transfer_params"]["remote_kv_source"]
             assert (source["remote_host"], source["remote_port"]) == ("127.0.0.1", holder.p2p_port)
             assert b"evil.example" not in forwarded
-            answer = await client.post(f"{other.url}/v1/completions", content=forwarded,
-                                       headers={"content-type": "application/json"})
+            answer = await client.post(
+                f"{other.url}/v1/completions", content=forwarded, headers={"content-type": "application/json"}
+            )
             assert answer.status_code == 200
             assert other.stats()["kv_bytes_received"] > 0 and holder.stats()["kv_bytes_sent"] > 0
             await envoy.send(response_headers(200), response_body(answer.content, True))

@@ -54,9 +54,17 @@ class Chain:
             out.append(h)
         return out
 
-    def store(self, tokens: Sequence[int], start_block: int = 0, *, medium: str = "GPU",
-              extra_keys: list | None = None, lora_name: str | None = None, locality: str = "LOCAL",
-              placeholder: bool = False) -> BlockStored:
+    def store(
+        self,
+        tokens: Sequence[int],
+        start_block: int = 0,
+        *,
+        medium: str = "GPU",
+        extra_keys: list | None = None,
+        lora_name: str | None = None,
+        locality: str = "LOCAL",
+        placeholder: bool = False,
+    ) -> BlockStored:
         """The event for blocks ``start_block..`` of ``tokens`` (the earlier ones are the parent chain)."""
         bs = self.block_size
         hashes = self.hashes(tokens)
@@ -65,7 +73,7 @@ class Chain:
         return BlockStored(
             block_hashes=new,
             parent_block_hash=parent,
-            token_ids=[] if placeholder else list(tokens[start_block * bs: len(hashes) * bs]),
+            token_ids=[] if placeholder else list(tokens[start_block * bs : len(hashes) * bs]),
             block_size=0 if placeholder else bs,
             medium=medium,
             lora_name=lora_name,
@@ -78,17 +86,24 @@ class Chain:
         return BlockRemoved(block_hashes=[hashes[i] for i in blocks], medium=medium)
 
 
-def frames(events: Sequence[KVEvent], seq: int, dp_rank: int = 0, topic: bytes = b"",
-           form: str = "map") -> list[bytes]:
+def frames(events: Sequence[KVEvent], seq: int, dp_rank: int = 0, topic: bytes = b"", form: str = "map") -> list[bytes]:
     return [topic, encode_seq(seq), encode_batch(time.time(), list(events), dp_rank, form=form)]  # type: ignore[arg-type]
 
 
 class Publisher:
     """One engine rank's KV-event publisher with a replay socket."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, *, topic: str = "", connect: str | None = None,
-                 buffer_steps: int = 10_000, dp_rank: int = 0, port: int | None = None,
-                 replay_port: int | None = None) -> None:
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        *,
+        topic: str = "",
+        connect: str | None = None,
+        buffer_steps: int = 10_000,
+        dp_rank: int = 0,
+        port: int | None = None,
+        replay_port: int | None = None,
+    ) -> None:
         self.ctx = ctx
         self.topic = topic.encode()
         self.dp_rank = dp_rank

@@ -91,8 +91,15 @@ async def test_stats_and_workers(client: httpx.AsyncClient) -> None:
 async def test_lookup_by_tokens_prompt_and_messages(client: httpx.AsyncClient) -> None:
     by_tokens = (await client.post("/admin/index/lookup", json={"model": "m", "token_ids": PROMPT})).json()
     assert by_tokens["num_blocks"] == 4 and by_tokens["block_size"] == 16
-    assert by_tokens["matches"][0] == {"worker": "a", "blocks": 4, "tokens": 64, "gpu": 4, "cpu": 0,
-                                       "storage": 0, "remote": 0}
+    assert by_tokens["matches"][0] == {
+        "worker": "a",
+        "blocks": 4,
+        "tokens": 64,
+        "gpu": 4,
+        "cpu": 0,
+        "storage": 0,
+        "remote": 0,
+    }
     assert by_tokens["matches"][1]["worker"] == "b#1"
     by_prompt = (await client.post("/admin/index/lookup", json={"model": "m", "prompt": "hello"})).json()
     assert by_prompt["matches"] == by_tokens["matches"]
@@ -102,14 +109,17 @@ async def test_lookup_by_tokens_prompt_and_messages(client: httpx.AsyncClient) -
     assert other.json()["matches"] == []
 
 
-@pytest.mark.parametrize("body", [
-    {"model": "m"},
-    {"model": "m", "prompt": "a", "token_ids": [1]},
-    {"model": "m", "token_ids": [-1]},
-    {"model": "m", "token_ids": ["x"]},
-    {"model": "", "token_ids": [1]},
-    {"prompt": "hello"},
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"model": "m"},
+        {"model": "m", "prompt": "a", "token_ids": [1]},
+        {"model": "m", "token_ids": [-1]},
+        {"model": "m", "token_ids": ["x"]},
+        {"model": "", "token_ids": [1]},
+        {"prompt": "hello"},
+    ],
+)
 async def test_lookup_rejects_bad_bodies(client: httpx.AsyncClient, body: dict) -> None:
     assert (await client.post("/admin/index/lookup", json=body)).status_code == 422
 
@@ -117,16 +127,14 @@ async def test_lookup_rejects_bad_bodies(client: httpx.AsyncClient, body: dict) 
 async def test_lookup_tokenizer_failure_is_400(client: httpx.AsyncClient) -> None:
     r = await client.post("/admin/index/lookup", json={"model": "m", "prompt": "boom"})
     assert r.status_code == 400 and "no such template" in r.json()["detail"]
-    r = await client.post("/admin/index/lookup", content=b"{not json",
-                          headers={"content-type": "application/json"})
+    r = await client.post("/admin/index/lookup", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 422
 
 
 async def test_blocks_and_delete(client: httpx.AsyncClient) -> None:
     key = request_keys(PROMPT, 16, "m")[0]
     block = (await client.get(f"/admin/index/blocks/{key}", params={"model": "m"})).json()
-    assert block["workers"] == {"a": {"bits": 3, "tiers": ["GPU", "CPU"]},
-                                "b#1": {"bits": 1, "tiers": ["GPU"]}}
+    assert block["workers"] == {"a": {"bits": 3, "tiers": ["GPU", "CPU"]}, "b#1": {"bits": 1, "tiers": ["GPU"]}}
     same = (await client.get(f"/admin/index/blocks/0x{key:x}", params={"model": "m"})).json()
     assert same["workers"] == block["workers"]
     assert (await client.get("/admin/index/blocks/zzz", params={"model": "m"})).status_code == 400
@@ -140,8 +148,12 @@ async def test_blocks_and_delete(client: httpx.AsyncClient) -> None:
 
 async def test_openapi_documents_the_endpoints(client: httpx.AsyncClient) -> None:
     paths = (await client.get("/openapi.json")).json()["paths"]
-    assert {"/admin/index/stats", "/admin/index/lookup", "/admin/index/workers/{worker_id}",
-            "/admin/index/blocks/{key}"} <= set(paths)
+    assert {
+        "/admin/index/stats",
+        "/admin/index/lookup",
+        "/admin/index/workers/{worker_id}",
+        "/admin/index/blocks/{key}",
+    } <= set(paths)
 
 
 async def test_backend_down_is_503() -> None:

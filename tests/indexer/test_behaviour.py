@@ -186,8 +186,7 @@ async def test_gap_reported_for_replay(indexer: KVIndexer) -> None:
     a = Feed(indexer, "a")
     await a.send(a.chain.store(PROMPT[:16]))
     lost = a.chain.store(PROMPT[:32], start_block=1)
-    handled = await indexer.handle_message("a", frames([a.chain.store(PROMPT[:48], start_block=2)], 2),
-                                           on_gap="report")
+    handled = await indexer.handle_message("a", frames([a.chain.store(PROMPT[:48], start_block=2)], 2), on_gap="report")
     assert handled.outcome == "gap" and handled.dp_rank == 0 and handled.seq == 2
     assert indexer.expected_seq("a") == 1
     indexer.begin_replay("a", 0, 1)

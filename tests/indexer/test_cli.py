@@ -26,22 +26,34 @@ PROMPT = list(range(7, 7 + 16 * 6))
 def start(args: list[str]) -> subprocess.Popen[bytes]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env = {k: v for k, v in env.items() if not k.startswith("KVROUTE_")}
-    return subprocess.Popen([sys.executable, "-m", "kvroute.cli", "indexer", *args], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [sys.executable, "-m", "kvroute.cli", "indexer", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
 
 
-async def test_standalone_indexer_writes_redis(tmp_path: Path, redis_url: str,
-                                               zctx: zmq.asyncio.Context) -> None:
+async def test_standalone_indexer_writes_redis(tmp_path: Path, redis_url: str, zctx: zmq.asyncio.Context) -> None:
     connecting_port = free_port()
     pub = Publisher(zctx)
     config = {
         "workers": [
-            {"url": "http://127.0.0.1:8101", "id": "w1", "models": ["m"], "kv_events": pub.endpoint,
-             "replay": pub.replay_endpoint},
+            {
+                "url": "http://127.0.0.1:8101",
+                "id": "w1",
+                "models": ["m"],
+                "kv_events": pub.endpoint,
+                "replay": pub.replay_endpoint,
+            },
             {"url": "http://127.0.0.1:8102", "id": "w2", "models": ["m"], "kv_events_topic": "w2"},
         ],
-        "index": {"backend": "redis", "redis_url": redis_url, "redis_prefix": "cli",
-                  "events_bind": f"tcp://127.0.0.1:{connecting_port}"},
+        "index": {
+            "backend": "redis",
+            "redis_url": redis_url,
+            "redis_prefix": "cli",
+            "events_bind": f"tcp://127.0.0.1:{connecting_port}",
+        },
         "admin_token": "tok",
     }
     path = tmp_path / "kvroute.yaml"
@@ -87,10 +99,13 @@ async def _answers(client: httpx.AsyncClient) -> bool:
         return False
 
 
-@pytest.mark.parametrize(("config", "message"), [
-    ({"workers": []}, "no workers configured"),
-    ({"workers": [{"url": "ftp://x"}]}, "invalid configuration"),
-])
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"workers": []}, "no workers configured"),
+        ({"workers": [{"url": "ftp://x"}]}, "invalid configuration"),
+    ],
+)
 def test_bad_configuration_exits_2(tmp_path: Path, config: dict, message: str) -> None:
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -105,17 +120,24 @@ def test_build_from_config_reader_and_writer() -> None:
     from kvroute.indexer.memory import MemoryIndex
     from kvroute.router.config import RouterConfig
 
-    config = RouterConfig.model_validate({
-        "workers": [
-            {"url": "http://127.0.0.1:8101", "id": "a", "models": ["m"], "kv_events": "tcp://127.0.0.1:5557",
-             "dp_size": 2},
-            {"url": "http://127.0.0.1:8102", "id": "b", "models": ["m"]},  # no endpoint, no bind: skipped
-            # No model configured: subscribed once its /v1/models answers.
-            {"url": "http://127.0.0.1:8103", "id": "c", "kv_events": "tcp://127.0.0.1:5560"},
-        ],
-        "models": [{"name": "m", "block_size": 32}],
-        "index": {"subscribe": False},
-    })
+    config = RouterConfig.model_validate(
+        {
+            "workers": [
+                {
+                    "url": "http://127.0.0.1:8101",
+                    "id": "a",
+                    "models": ["m"],
+                    "kv_events": "tcp://127.0.0.1:5557",
+                    "dp_size": 2,
+                },
+                {"url": "http://127.0.0.1:8102", "id": "b", "models": ["m"]},  # no endpoint, no bind: skipped
+                # No model configured: subscribed once its /v1/models answers.
+                {"url": "http://127.0.0.1:8103", "id": "c", "kv_events": "tcp://127.0.0.1:5560"},
+            ],
+            "models": [{"name": "m", "block_size": 32}],
+            "index": {"subscribe": False},
+        }
+    )
     reader, none = build_from_config(config, backend=MemoryIndex())
     assert none is None and reader.workers() == [] and reader.block_size("m") == 32
     writer, sub = build_from_config(config, backend=MemoryIndex(), subscribe=True)
@@ -142,8 +164,9 @@ async def test_workers_without_models_are_discovered() -> None:
     try:
         while not server.started:
             await asyncio.sleep(0.02)
-        config = RouterConfig.model_validate({"workers": [
-            {"url": f"http://127.0.0.1:{port}", "id": "c", "kv_events": "tcp://127.0.0.1:1"}]})
+        config = RouterConfig.model_validate(
+            {"workers": [{"url": f"http://127.0.0.1:{port}", "id": "c", "kv_events": "tcp://127.0.0.1:1"}]}
+        )
         indexer, sub = build_from_config(config, backend=MemoryIndex(), subscribe=True)
         assert sub is not None and indexer.workers() == []
         await asyncio.wait_for(add_discovered_workers(config, sub), 20)

@@ -25,8 +25,9 @@ def test_extras_follow_vllm_placement() -> None:
     assert salted != request_keys(TOKENS, 16, "m")
     extras = request_extra_keys(5, lora_name="l", cache_salt="t1")
     assert extras is not None and extras[0] == ["l", "t1"] and extras[1] == ["l"]
-    assert chain_keys(TOKENS, 16, root_key("m"), extras) == request_keys(TOKENS, 16, "m", lora_name="l",
-                                                                          cache_salt="t1")
+    assert chain_keys(TOKENS, 16, root_key("m"), extras) == request_keys(
+        TOKENS, 16, "m", lora_name="l", cache_salt="t1"
+    )
     # Short extras: blocks past their end have none.
     short = chain_keys(TOKENS, 16, root_key("m"), [["x"]])
     assert short[1:] != request_keys(TOKENS, 16, "m")[1:] and len(short) == 5

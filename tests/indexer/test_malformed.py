@@ -27,10 +27,21 @@ HOSTILE: list[tuple[str, list[bytes]]] = [
     ("bad_event", [b"", encode_seq(0), enc([1.0, [42], 0])]),
     ("bad_field", [b"", encode_seq(0), enc([1.0, [{"type": "BlockStored", "block_hashes": "x"}], 0])]),
     ("bad_field", [b"", encode_seq(0), enc([1.0, [{"type": "BlockStored", "block_hashes": [1.5]}], 0])]),
-    ("bad_field", [b"", encode_seq(0), enc([1.0, [{"type": "BlockStored", "block_hashes": [1],
-                                                   "token_ids": list(range(100)), "block_size": 16}], 0])]),
-    ("bad_field", [b"", encode_seq(0), enc([1.0, [{"type": "BlockRemoved", "block_hashes": [1],
-                                                   "medium": 7}], 0])]),
+    (
+        "bad_field",
+        [
+            b"",
+            encode_seq(0),
+            enc(
+                [
+                    1.0,
+                    [{"type": "BlockStored", "block_hashes": [1], "token_ids": list(range(100)), "block_size": 16}],
+                    0,
+                ]
+            ),
+        ],
+    ),
+    ("bad_field", [b"", encode_seq(0), enc([1.0, [{"type": "BlockRemoved", "block_hashes": [1], "medium": 7}], 0])]),
     ("too_large", [b"", encode_seq(0), enc([1.0, [["AllBlocksCleared"]] * 100_001, 0])]),
     ("bad_seq", [b"", b"\x00\x01", enc([1.0, [], 0])]),
     ("bad_frames", [b"", encode_seq(0)]),
@@ -60,14 +71,31 @@ async def test_bad_tokens_and_unknown_types_inside_a_good_batch() -> None:
     indexer = KVIndexer(MemoryIndex())
     indexer.register_worker("w", "m")
     events = [
-        {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": [-1] * 16,
-         "block_size": 16},
-        {"type": "BlockStored", "block_hashes": [2], "parent_block_hash": None, "token_ids": ["x"] * 16,
-         "block_size": 16},
+        {
+            "type": "BlockStored",
+            "block_hashes": [1],
+            "parent_block_hash": None,
+            "token_ids": [-1] * 16,
+            "block_size": 16,
+        },
+        {
+            "type": "BlockStored",
+            "block_hashes": [2],
+            "parent_block_hash": None,
+            "token_ids": ["x"] * 16,
+            "block_size": 16,
+        },
         {"type": "SomethingNew", "whatever": 1},
         ["FutureEvent", 1, 2, 3],
-        {"type": "BlockStored", "block_hashes": [3], "parent_block_hash": None, "token_ids": PROMPT[:16],
-         "block_size": 16, "brand_new_field": {"nested": True}, "group_idx": 0},
+        {
+            "type": "BlockStored",
+            "block_hashes": [3],
+            "parent_block_hash": None,
+            "token_ids": PROMPT[:16],
+            "block_size": 16,
+            "brand_new_field": {"nested": True},
+            "group_idx": 0,
+        },
     ]
     handled = await indexer.handle_message("w", [b"", encode_seq(0), enc([1.0, events, 0])])
     assert handled.outcome == "applied"
@@ -77,8 +105,7 @@ async def test_bad_tokens_and_unknown_types_inside_a_good_batch() -> None:
     assert result.matches["w"].blocks == 1
 
 
-async def test_subscriber_survives_garbage(zctx: zmq.asyncio.Context,
-                                           caplog: pytest.LogCaptureFixture) -> None:
+async def test_subscriber_survives_garbage(zctx: zmq.asyncio.Context, caplog: pytest.LogCaptureFixture) -> None:
     indexer = KVIndexer(MemoryIndex())
     sub = EventSubscriber(indexer, ctx=zctx)
     pub = Publisher(zctx)

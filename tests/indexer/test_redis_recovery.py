@@ -153,8 +153,9 @@ async def test_ttl_safety_net_and_refresh(redis_url: str) -> None:
         await backend.close()
 
 
-async def test_stop_in_the_iteration_a_redis_command_was_sent(redis_url: str, zctx: zmq.asyncio.Context,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_stop_in_the_iteration_a_redis_command_was_sent(
+    redis_url: str, zctx: zmq.asyncio.Context, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The restart test's hang, made deterministic: stop() starts in the loop iteration where redis-py has
     just written the worker's command. On Python 3.11 wait_for then returns the command's result and drops
     stop()'s cancel; the worker loop must still end, and stop() return."""
@@ -211,8 +212,9 @@ async def test_frozen_redis_fails_within_the_timeout(own_redis: RedisServer) -> 
             with pytest.raises(IndexUnavailable, match="Timeout"):
                 await indexer.lookup_tokens("m", PROMPT)
         async with asyncio.timeout(10):  # a write: the local view goes on, the backend is marked down
-            assert (await indexer.handle_message("a", frames([chain.store(PROMPT, start_block=4)], 1))).outcome \
-                == "applied"
+            assert (
+                await indexer.handle_message("a", frames([chain.store(PROMPT, start_block=4)], 1))
+            ).outcome == "applied"
         assert not indexer.backend_ok
         async with asyncio.timeout(10):  # a new connection: the kernel accepts it, the server never answers
             assert not await RedisIndex(own_redis.url, timeout_s=0.3).ping()

@@ -24,9 +24,15 @@ def words(n: int, prefix: str = "w") -> str:
 
 
 @contextlib.asynccontextmanager
-async def routed_fleet(n: int = 2, *, roles: list[str] | None = None, policy: str = "kvaware",
-                       preset: str = "tiny", fleet_options: dict[str, Any] | None = None,
-                       **router: Any) -> AsyncIterator[tuple[SimFleet, str, Any]]:
+async def routed_fleet(
+    n: int = 2,
+    *,
+    roles: list[str] | None = None,
+    policy: str = "kvaware",
+    preset: str = "tiny",
+    fleet_options: dict[str, Any] | None = None,
+    **router: Any,
+) -> AsyncIterator[tuple[SimFleet, str, Any]]:
     """A simulated fleet and the full router in front of it; yields (fleet, router URL, app)."""
     fleet = SimFleet(n, preset, time_scale=FAST, roles=roles, **(fleet_options or {}))
     async with fleet:

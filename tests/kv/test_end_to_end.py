@@ -47,8 +47,11 @@ async def test_request_goes_where_its_prefix_lives(client: httpx.AsyncClient) ->
         assert warm.status_code == 200
         await eventually(lambda: indexed_blocks(client, url, holder.worker_id))
         for _ in range(3):
-            r = await client.post(f"{url}/v1/completions", json=completion(fleet.model, prompt + " next"),
-                                  headers={"x-kvroute-debug": "1"})
+            r = await client.post(
+                f"{url}/v1/completions",
+                json=completion(fleet.model, prompt + " next"),
+                headers={"x-kvroute-debug": "1"},
+            )
             assert r.status_code == 200
             plan = orjson.loads(r.headers["x-kvroute-plan"])
             assert plan["prefill"] == holder.worker_id
@@ -79,14 +82,18 @@ async def test_explain_and_index_lookup_show_the_holder(client: httpx.AsyncClien
 async def test_client_routing_fields_never_reach_the_worker(client: httpx.AsyncClient) -> None:
     # remote_prefiller + remote_kv_source is a combination the engine refuses (400): it only passes
     # because the router strips what clients put in kv_transfer_params.
-    hostile = {"remote_prefiller": {"kv_request_id": "x", "remote_host": "10.1.2.3", "remote_port": 1},
-               "remote_kv_source": {"kv_request_id": "y", "remote_host": "10.1.2.3", "remote_port": 2}}
+    hostile = {
+        "remote_prefiller": {"kv_request_id": "x", "remote_host": "10.1.2.3", "remote_port": 1},
+        "remote_kv_source": {"kv_request_id": "y", "remote_host": "10.1.2.3", "remote_port": 2},
+    }
     async with routed_fleet(2) as (fleet, url, _):
-        direct = await client.post(f"{fleet[0].url}/v1/completions",
-                                   json=completion(fleet.model, "hello", kv_transfer_params=hostile))
+        direct = await client.post(
+            f"{fleet[0].url}/v1/completions", json=completion(fleet.model, "hello", kv_transfer_params=hostile)
+        )
         assert direct.status_code == 400
-        routed = await client.post(f"{url}/v1/completions",
-                                   json=completion(fleet.model, "hello", kv_transfer_params=hostile))
+        routed = await client.post(
+            f"{url}/v1/completions", json=completion(fleet.model, "hello", kv_transfer_params=hostile)
+        )
         assert routed.status_code == 200
         metrics = (await client.get(f"{url}/metrics")).text
         assert metric(metrics, "kvroute_client_kv_params_removed_total") >= 2
@@ -94,8 +101,10 @@ async def test_client_routing_fields_never_reach_the_worker(client: httpx.AsyncC
 
 async def test_refuse_mode_rejects_client_routing_fields(client: httpx.AsyncClient) -> None:
     async with routed_fleet(1, pool={"client_kv_params": "refuse"}) as (fleet, url, _):
-        r = await client.post(f"{url}/v1/completions", json=completion(
-            fleet.model, "hi", kv_transfer_params={"remote_kv_source": {"remote_host": "evil"}}))
+        r = await client.post(
+            f"{url}/v1/completions",
+            json=completion(fleet.model, "hi", kv_transfer_params={"remote_kv_source": {"remote_host": "evil"}}),
+        )
         assert r.status_code == 400
         assert r.json()["error"]["code"] == "kv_transfer_params_not_allowed"
         ok = await client.post(f"{url}/v1/completions", json=completion(fleet.model, "hi"))
@@ -114,8 +123,9 @@ class FixedPlan(Policy):
     def choose(self, request: RouteRequest, workers: Sequence[WorkerView]) -> RoutePlan:
         ids = sorted(w.id for w in workers)
         p, d, s = self.idx
-        return RoutePlan(prefill=ids[p], decode=ids[d], kv_source=ids[s] if s is not None else None,
-                         policy=self.name, reason="test")
+        return RoutePlan(
+            prefill=ids[p], decode=ids[d], kv_source=ids[s] if s is not None else None, policy=self.name, reason="test"
+        )
 
 
 async def test_p2p_source_serves_the_cached_prefix(client: httpx.AsyncClient) -> None:
@@ -152,20 +162,27 @@ async def test_kvaware_fetches_from_a_busy_holder_and_the_engine_serves_it(clien
     request it writes allows the REMOTE tier, and the engine really pulls the blocks from the peer.
     (The router is told prefill is slow, so that fetching clearly pays at this test's time scale.)"""
     slow = {"sim-tiny": {"prefill_tokens_per_s": 2000.0}}
-    async with routed_fleet(2, pool={"kv_protocol": "p2p"}, policy="kvaware", debug_headers=True,
-                            policy_options={"models": slow},
-                            fleet_options={"preset_overrides": {"gpu_blocks": 512}}) as (fleet, url, app):
+    async with routed_fleet(
+        2,
+        pool={"kv_protocol": "p2p"},
+        policy="kvaware",
+        debug_headers=True,
+        policy_options={"models": slow},
+        fleet_options={"preset_overrides": {"gpu_blocks": 512}},
+    ) as (fleet, url, app):
         holder = fleet.workers[0]
         prompt = words(1500, "hot")
         await client.post(f"{holder.url}/v1/completions", json=completion(fleet.model, prompt))
 
         async def indexed() -> bool:
             return await indexed_blocks(client, url, holder.worker_id) >= 80
+
         await eventually(indexed, what="the holder's blocks in the index")
         pipeline = app.state.kvroute.pipeline
         pipeline.policy = BusyHolder(pipeline.policy, holder.worker_id)
-        r = await client.post(f"{url}/v1/completions", json=completion(fleet.model, prompt),
-                              headers={"X-KVRoute-Debug": "1"})
+        r = await client.post(
+            f"{url}/v1/completions", json=completion(fleet.model, prompt), headers={"X-KVRoute-Debug": "1"}
+        )
         assert r.status_code == 200
         other = fleet.workers[1]
         plan = orjson.loads(r.headers["x-kvroute-plan"])
@@ -180,8 +197,9 @@ async def test_p2p_disaggregated_legs(client: httpx.AsyncClient) -> None:
         prefill_idx = ids.index(next(w.worker_id for w in fleet.workers if w.opts.role == "prefill"))
         app.state.kvroute.pipeline.policy = FixedPlan(prefill=prefill_idx, decode=1 - prefill_idx)
         for stream in (False, True):
-            r = await client.post(f"{url}/v1/completions",
-                                  json=completion(fleet.model, words(100, f"pd{stream}"), stream=stream))
+            r = await client.post(
+                f"{url}/v1/completions", json=completion(fleet.model, words(100, f"pd{stream}"), stream=stream)
+            )
             assert r.status_code == 200
             if stream:
                 assert r.text.rstrip().endswith("data: [DONE]")
@@ -192,20 +210,29 @@ async def test_p2p_disaggregated_legs(client: httpx.AsyncClient) -> None:
 
 
 async def test_nixl_pull_and_conversation_reuse(client: httpx.AsyncClient) -> None:
-    async with routed_fleet(2, roles=["prefill", "decode"], policy="round_robin",
-                            pool={"kv_protocol": "nixl"}) as (fleet, url, _):
+    async with routed_fleet(2, roles=["prefill", "decode"], policy="round_robin", pool={"kv_protocol": "nixl"}) as (
+        fleet,
+        url,
+        _,
+    ):
         history = [{"role": "user", "content": words(300, "turn")}]
-        first = await client.post(f"{url}/v1/chat/completions", json={
-            "model": fleet.model, "messages": history, "max_tokens": 8, "conversation_id": "c1"})
+        first = await client.post(
+            f"{url}/v1/chat/completions",
+            json={"model": fleet.model, "messages": history, "max_tokens": 8, "conversation_id": "c1"},
+        )
         assert first.status_code == 200
         assert "conversation_id" not in first.text
         decoder = next(w for w in fleet.workers if w.opts.role == "decode")
         assert decoder.stats()["kv_bytes_received"] > 0  # the decode leg pulled the prefill's blocks
-        history += [{"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
-                    {"role": "user", "content": words(40, "more")}]
-        second = await client.post(f"{url}/v1/chat/completions", json={
-            "model": fleet.model, "messages": history, "max_tokens": 8},
-            headers={"x-conversation-id": "c1"})
+        history += [
+            {"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
+            {"role": "user", "content": words(40, "more")},
+        ]
+        second = await client.post(
+            f"{url}/v1/chat/completions",
+            json={"model": fleet.model, "messages": history, "max_tokens": 8},
+            headers={"x-conversation-id": "c1"},
+        )
         assert second.status_code == 200
         metrics = (await client.get(f"{url}/metrics")).text
         assert metric(metrics, "kvroute_conversation_reuse_total", outcome="stored") >= 1
@@ -213,8 +240,11 @@ async def test_nixl_pull_and_conversation_reuse(client: httpx.AsyncClient) -> No
 
 
 async def test_prefill_leg_failure_falls_back_to_local(client: httpx.AsyncClient) -> None:
-    async with routed_fleet(2, roles=["prefill", "decode"], pool={"kv_protocol": "nixl"},
-                            policy="round_robin") as (fleet, url, _):
+    async with routed_fleet(2, roles=["prefill", "decode"], pool={"kv_protocol": "nixl"}, policy="round_robin") as (
+        fleet,
+        url,
+        _,
+    ):
         prefiller = next(w for w in fleet.workers if w.opts.role == "prefill")
         await prefiller.stop()  # the prefill leg is refused: the decoder recomputes locally
         r = await client.post(f"{url}/v1/completions", json=completion(fleet.model, words(50)))

@@ -21,17 +21,23 @@ async def test_replicas_route_by_a_shared_redis_index(redis_url: str) -> None:
         writer = KVIndexer(RedisIndex(redis_url))
         subscriber = EventSubscriber(writer)
         for worker in fleet.workers:
-            subscriber.add_worker(WorkerSpec(worker.worker_id, fleet.model, worker.events_endpoint,
-                                             replay=worker.replay_endpoint))
+            subscriber.add_worker(
+                WorkerSpec(worker.worker_id, fleet.model, worker.events_endpoint, replay=worker.replay_endpoint)
+            )
         await subscriber.start()
         try:
-            config = fleet.serve_config(policy="kvaware", debug_headers=True, health_interval_s=0.2,
-                                        index={"backend": "redis", "redis_url": redis_url, "subscribe": False})
+            config = fleet.serve_config(
+                policy="kvaware",
+                debug_headers=True,
+                health_interval_s=0.2,
+                index={"backend": "redis", "redis_url": redis_url, "subscribe": False},
+            )
             replicas = [build_app(RouterConfig.model_validate(config)) for _ in range(2)]
             holder = fleet[1]
             prompt = words(160, "shared")
-            await client.post(f"{holder.url}/v1/completions",
-                              json={"model": fleet.model, "prompt": prompt, "max_tokens": 2})
+            await client.post(
+                f"{holder.url}/v1/completions", json={"model": fleet.model, "prompt": prompt, "max_tokens": 2}
+            )
 
             async def indexed() -> bool:
                 stats = await writer.stats()
@@ -40,8 +46,11 @@ async def test_replicas_route_by_a_shared_redis_index(redis_url: str) -> None:
             await eventually(indexed)
             for app in replicas:
                 async with serve(app, lifespan="on") as url:
-                    r = await client.post(f"{url}/v1/completions", headers={"x-kvroute-debug": "1"},
-                                          json={"model": fleet.model, "prompt": prompt, "max_tokens": 2})
+                    r = await client.post(
+                        f"{url}/v1/completions",
+                        headers={"x-kvroute-debug": "1"},
+                        json={"model": fleet.model, "prompt": prompt, "max_tokens": 2},
+                    )
                     assert r.status_code == 200
                     plan = orjson.loads(r.headers["x-kvroute-plan"])
                     assert plan["prefill"] == holder.worker_id

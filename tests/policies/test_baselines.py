@@ -30,7 +30,7 @@ def test_prefix_holder_wins_when_queues_are_equal() -> None:
 def test_prefix_weights_trade_affinity_against_queue_and_kv_usage() -> None:
     ws = workers(2)
     ws[0] = dataclasses.replace(ws[0], waiting=10, kv_usage=0.9)  # 3*1 + 2*0 + 2*0.1 = 3.2
-    ws[1] = dataclasses.replace(ws[1], waiting=0, kv_usage=0.0)   # 3*0 + 2*1 + 2*1.0 = 4.0
+    ws[1] = dataclasses.replace(ws[1], waiting=0, kv_usage=0.0)  # 3*0 + 2*1 + 2*1.0 = 4.0
     assert create_policy("prefix").choose(request(3200, gpu("w0", 200)), ws).prefill == "w1"
     heavy = create_policy("prefix", prefix_weight=10.0)
     assert heavy.choose(request(3200, gpu("w0", 200)), ws).prefill == "w0"
@@ -107,8 +107,7 @@ def test_approx_text_sticks_to_the_worker_that_saw_the_text() -> None:
 def test_approx_text_spreads_unmatched_text_to_the_smallest_tree() -> None:
     policy = create_policy("approx_text")
     ws = workers(3)
-    chosen = {policy.choose(text_request(f"{i}: a fresh prompt with nothing in common"), ws).prefill
-              for i in range(3)}
+    chosen = {policy.choose(text_request(f"{i}: a fresh prompt with nothing in common"), ws).prefill for i in range(3)}
     assert chosen == {"w0", "w1", "w2"}
 
 

@@ -160,18 +160,26 @@ def test_descriptor_cost_can_make_recomputing_beat_reuse() -> None:
     ws = workers(2, role="prefill", prefix="p") + workers(2, role="decode", prefix="d")
     figures = {"prefill_tokens_per_s": 50_700.0, "attention_coeff_s": 4.37e-7, "bytes_per_token": 262_144}
     conv = {"conversation_reusable_tokens": 23000, "conversation_worker": "d1"}
-    cheap = kvaware(kv_protocol="nixl", default_bandwidth_bytes_per_s=76.8e9, transfer_setup_s=0.0125,
-                    models={"m": {**figures, "transfer_per_block_s": 0.0}})
+    cheap = kvaware(
+        kv_protocol="nixl",
+        default_bandwidth_bytes_per_s=76.8e9,
+        transfer_setup_s=0.0125,
+        models={"m": {**figures, "transfer_per_block_s": 0.0}},
+    )
     plan = cheap.choose(request(24000, **conv), ws)
     assert plan.reuse_conversation
-    costly = kvaware(kv_protocol="nixl", default_bandwidth_bytes_per_s=76.8e9, transfer_setup_s=0.0125,
-                     models={"m": {**figures, "transfer_per_block_s": 0.0005}})
+    costly = kvaware(
+        kv_protocol="nixl",
+        default_bandwidth_bytes_per_s=76.8e9,
+        transfer_setup_s=0.0125,
+        models={"m": {**figures, "transfer_per_block_s": 0.0005}},
+    )
     plan = costly.choose(request(24000, **conv), ws)
     assert not plan.reuse_conversation
-    reuse = next(c for c in costly.explain(request(24000, **conv), ws).candidates
-                 if c.breakdown["reuse_conversation"])
-    assert reuse.breakdown["transfer_s"] == pytest.approx(0.0125 + 23000 / 16 * 0.0005 + 23000 * 262_144 / 76.8e9,
-                                                          rel=0.15)  # times the still-there probability
+    reuse = next(c for c in costly.explain(request(24000, **conv), ws).candidates if c.breakdown["reuse_conversation"])
+    assert reuse.breakdown["transfer_s"] == pytest.approx(
+        0.0125 + 23000 / 16 * 0.0005 + 23000 * 262_144 / 76.8e9, rel=0.15
+    )  # times the still-there probability
 
 
 def test_pool_link_figures_reach_the_cost_model_unless_set_explicitly() -> None:
@@ -259,10 +267,18 @@ def test_unhealthy_and_missing_workers() -> None:
         kvaware().choose(request(100), workers(2, role="prefill"))
 
 
-@pytest.mark.parametrize("options", [
-    {"no_such_option": 1}, {"prefill_tokens_per_s": 0}, {"kv_protocol": "tcp"}, {"still_there": {"GPU": 2}},
-    {"link_bandwidth_bytes_per_s": {"ab": 1.0}}, {"models": {"m": {"speed": 1}}}, {"tier_policy": {"x": 1}},
-])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"no_such_option": 1},
+        {"prefill_tokens_per_s": 0},
+        {"kv_protocol": "tcp"},
+        {"still_there": {"GPU": 2}},
+        {"link_bandwidth_bytes_per_s": {"ab": 1.0}},
+        {"models": {"m": {"speed": 1}}},
+        {"tier_policy": {"x": 1}},
+    ],
+)
 def test_bad_options_are_refused_with_a_clear_error(options: dict[str, object]) -> None:
     with pytest.raises(ValueError):
         create_policy("kvaware", **options)
@@ -275,8 +291,7 @@ def test_calibration_learns_prefill_speed_and_counts_stale_decisions() -> None:
     plan = policy.choose(req, workers(1))
     predicted = plan.breakdown["prefill_s"]
     for _ in range(30):  # the engine is twice as slow as configured, and had nothing cached
-        policy.observe(RouteOutcome("r1", "m", plan, prompt_tokens=10000, cached_tokens=0,
-                                    ttft_s=2 * 10000 / 10_000.0))
+        policy.observe(RouteOutcome("r1", "m", plan, prompt_tokens=10000, cached_tokens=0, ttft_s=2 * 10000 / 10_000.0))
     again = policy.choose(req, workers(1))
     assert again.breakdown["prefill_s"] > 1.5 * predicted
     fb = policy.feedback
@@ -368,8 +383,7 @@ def test_calibration_separates_a_fixed_overhead_from_prefill_speed() -> None:
         n = 200 + (i % 6) * 1500
         req = request(n, request_id=f"r{i}")
         plan = policy.choose(req, workers(1))
-        policy.observe(RouteOutcome(f"r{i}", "m", plan, prompt_tokens=n, cached_tokens=0,
-                                    ttft_s=0.01 + n / 10_000.0))
+        policy.observe(RouteOutcome(f"r{i}", "m", plan, prompt_tokens=n, cached_tokens=0, ttft_s=0.01 + n / 10_000.0))
     assert policy.calibrator.overhead_s("m") == pytest.approx(0.01, rel=0.3)
     assert policy.calibrator.prefill_scale("m") == pytest.approx(1.0, rel=0.15)
 
@@ -392,4 +406,3 @@ def test_one_outlier_moves_the_prefill_scale_a_bounded_step() -> None:
     plan = policy.choose(request(10000), workers(1))
     policy.observe(RouteOutcome("r1", "m", plan, prompt_tokens=10000, cached_tokens=0, ttft_s=1000.0))
     assert policy.calibrator.prefill_scale("m") == pytest.approx(math.exp(0.2))  # alpha x a capped error
-

@@ -26,8 +26,12 @@ def test_configured_classes_override_and_validate() -> None:
     policy = TierPolicy.from_options({"classes": classes, "default_class": "batch"})
     assert policy.load_tiers("interactive") == [{"medium": "STORAGE", "locality": "LOCAL"}]
     assert len(policy.load_tiers("nope")) == 3
-    for bad in ({"classes": {"x": [{"medium": "GPU", "locality": "LOCAL"}]}}, {"default_class": "nope"},
-                {"offload_rule": "some"}, {"unknown": 1}):
+    for bad in (
+        {"classes": {"x": [{"medium": "GPU", "locality": "LOCAL"}]}},
+        {"default_class": "nope"},
+        {"offload_rule": "some"},
+        {"unknown": 1},
+    ):
         with pytest.raises(ValueError):
             TierPolicy.from_options(bad)
 

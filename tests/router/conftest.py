@@ -16,8 +16,9 @@ from tests.router.upstream import FakeWorker, serve, serve_worker
 
 
 @contextlib.asynccontextmanager
-async def run_router(workers: Sequence[str | dict[str, Any]], impl: Policy | None = None,
-                     **settings: Any) -> AsyncIterator[tuple[str, Any]]:
+async def run_router(
+    workers: Sequence[str | dict[str, Any]], impl: Policy | None = None, **settings: Any
+) -> AsyncIterator[tuple[str, Any]]:
     """A router app served by uvicorn; yields (base URL, app). ``impl``: a policy instance to use."""
     specs = [w if isinstance(w, dict) else {"url": w} for w in workers]
     settings.setdefault("health_interval_s", 0.1)

@@ -18,13 +18,26 @@ from tests.router.upstream import FakeWorker, free_port, serve_worker
 KVROUTE = [sys.executable, "-m", "kvroute.cli"]
 
 
-def test_check_prints_the_merged_config(capsys: pytest.CaptureFixture[str], tmp_path: Path,
-                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_check_prints_the_merged_config(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     cfg = tmp_path / "kvroute.yaml"
     cfg.write_text("policy: least_load\nport: 9000\nworkers:\n  - url: http://10.0.0.1:8000\n")
     monkeypatch.setenv("KVROUTE_PORT", "9100")
-    code = main(["serve", "--config", str(cfg), "--worker", "http://127.0.0.1:8100", "--worker",
-                 "http://127.0.0.1:8101", "--policy", "round_robin", "--check"])
+    code = main(
+        [
+            "serve",
+            "--config",
+            str(cfg),
+            "--worker",
+            "http://127.0.0.1:8100",
+            "--worker",
+            "http://127.0.0.1:8101",
+            "--policy",
+            "round_robin",
+            "--check",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0
     assert '"policy": "round_robin"' in out  # flag wins over the file
@@ -32,17 +45,21 @@ def test_check_prints_the_merged_config(capsys: pytest.CaptureFixture[str], tmp_
     assert "127.0.0.1:8101" in out and "10.0.0.1" not in out  # --worker replaces the file's list
 
 
-@pytest.mark.parametrize(("yaml_text", "needle"), [
-    ("workers:\n  - url: not-a-url\n", "workers.0.url"),
-    ("workers:\n  - url: http://a:1\n    role: boss\n", "workers.0.role"),
-    ("port: -3\n", "port"),
-    ("polcy: x\n", "polcy"),
-    ("workers: [\n", "not valid YAML"),
-    ("- just\n- a list\n", "mapping"),
-    ("log_level: chatty\n", "log_level"),
-])
-def test_bad_config_fails_naming_the_field(capsys: pytest.CaptureFixture[str], tmp_path: Path,
-                                           yaml_text: str, needle: str) -> None:
+@pytest.mark.parametrize(
+    ("yaml_text", "needle"),
+    [
+        ("workers:\n  - url: not-a-url\n", "workers.0.url"),
+        ("workers:\n  - url: http://a:1\n    role: boss\n", "workers.0.role"),
+        ("port: -3\n", "port"),
+        ("polcy: x\n", "polcy"),
+        ("workers: [\n", "not valid YAML"),
+        ("- just\n- a list\n", "mapping"),
+        ("log_level: chatty\n", "log_level"),
+    ],
+)
+def test_bad_config_fails_naming_the_field(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, yaml_text: str, needle: str
+) -> None:
     cfg = tmp_path / "bad.yaml"
     cfg.write_text(yaml_text)
     assert main(["serve", "--config", str(cfg), "--check"]) == 2
@@ -59,8 +76,16 @@ def test_unknown_policy_and_missing_file(capsys: pytest.CaptureFixture[str]) -> 
 def test_overrides_ignore_flags_not_given() -> None:
     import argparse
 
-    args = argparse.Namespace(worker=None, policy=None, host=None, port=8001, admin_token=None,
-                              http_client=None, max_body_bytes=None, log_level=None)
+    args = argparse.Namespace(
+        worker=None,
+        policy=None,
+        host=None,
+        port=8001,
+        admin_token=None,
+        http_client=None,
+        max_body_bytes=None,
+        log_level=None,
+    )
     assert {k: v for k, v in overrides_from(args).items() if v is not None} == {"port": 8001}
 
 
@@ -69,10 +94,22 @@ async def test_serve_subprocess_end_to_end() -> None:
     port = free_port()
     async with serve_worker(w):
         proc = await asyncio.create_subprocess_exec(
-            *KVROUTE, "serve", "--worker", w.url, "--policy", "least_load", "--host", "127.0.0.1",
-            "--port", str(port), "--log-level", "warning",
-            env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.PIPE)
+            *KVROUTE,
+            "serve",
+            "--worker",
+            w.url,
+            "--policy",
+            "least_load",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
+        )
         try:
             async with httpx.AsyncClient(timeout=5, trust_env=False) as client:
                 base = f"http://127.0.0.1:{port}"

@@ -98,8 +98,7 @@ async def test_all_workers_refusing_is_502(client: httpx.AsyncClient, http_clien
 
 async def test_upstream_timeout_is_504(client: httpx.AsyncClient, http_client: str) -> None:
     w = FakeWorker("slow", delay_s=5)
-    async with serve_worker(w), \
-            run_router([w.url], read_timeout_s=0.3, http_client=http_client) as (url, _app):
+    async with serve_worker(w), run_router([w.url], read_timeout_s=0.3, http_client=http_client) as (url, _app):
         r = await client.post(url + "/v1/completions", json=COMPLETION)
         assert_openai_error(r, 504, "upstream_timeout")
         w.delay_s = 0

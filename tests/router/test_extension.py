@@ -66,8 +66,9 @@ async def app_with(workers: list[str], policy: Policy) -> AsyncIterator[tuple[st
     async def stats(request: Request) -> dict[str, int]:
         return {"workers": len(request.app.state.kvroute.registry)}
 
-    config = RouterConfig.model_validate({"workers": [{"url": u} for u in workers], "admin_token": "t",
-                                          "models": [{"name": "m1", "block_size": 32}]})
+    config = RouterConfig.model_validate(
+        {"workers": [{"url": u} for u in workers], "admin_token": "t", "models": [{"name": "m1", "block_size": 32}]}
+    )
     app = create_app(config, policy=policy, pipeline_cls=EnrichedPipeline, admin_routers=[extra])
     events: list[str] = []
 

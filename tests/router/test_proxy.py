@@ -32,8 +32,9 @@ class Recording(Policy):
         self.outcomes.append(outcome)
 
 
-async def test_non_streaming_passthrough_is_byte_for_byte(two_workers, client: httpx.AsyncClient,
-                                                          http_client: str) -> None:
+async def test_non_streaming_passthrough_is_byte_for_byte(
+    two_workers, client: httpx.AsyncClient, http_client: str
+) -> None:
     w1, _ = two_workers
     async with run_router([w1.url], http_client=http_client) as (url, _app):
         direct = await client.post(w1.url + "/v1/completions", json=COMPLETION)
@@ -55,8 +56,7 @@ async def test_client_request_id_is_kept(two_workers, client: httpx.AsyncClient)
     assert r.json()["choices"][0]["message"]["content"] == "hello from w1"
 
 
-async def test_streaming_passthrough_is_byte_for_byte(two_workers, client: httpx.AsyncClient,
-                                                      http_client: str) -> None:
+async def test_streaming_passthrough_is_byte_for_byte(two_workers, client: httpx.AsyncClient, http_client: str) -> None:
     w1, _ = two_workers
     body = {**CHAT, "stream": True, "stream_options": {"include_usage": True}}
     async with run_router([w1.url], http_client=http_client) as (url, _app):
@@ -75,8 +75,9 @@ async def test_outcome_reports_usage_for_json_and_sse(two_workers, client: httpx
     policy = Recording()
     async with run_router([w1.url], impl=policy) as (url, _app):
         await client.post(url + "/v1/completions", json=COMPLETION)
-        await client.post(url + "/v1/completions",
-                          json={**COMPLETION, "stream": True, "stream_options": {"include_usage": True}})
+        await client.post(
+            url + "/v1/completions", json={**COMPLETION, "stream": True, "stream_options": {"include_usage": True}}
+        )
         await client.post(url + "/v1/completions", json={**COMPLETION, "stream": True})
     plain, streamed, no_usage = policy.outcomes
     assert (plain.prompt_tokens, plain.cached_tokens, plain.ttft_s, plain.ok) == (10, 4, None, True)
@@ -99,8 +100,10 @@ async def test_models_union_and_routing_by_model(client: httpx.AsyncClient) -> N
             r2 = await client.post(url + "/v1/completions", json={**COMPLETION, "model": "m2"})
             assert r1.json()["worker"] == "a"
             assert r2.json()["worker"] == "b"
-        shared = {(await client.post(url + "/v1/completions", json={**COMPLETION, "model": "shared"})).json()
-                  ["worker"] for _ in range(4)}
+        shared = {
+            (await client.post(url + "/v1/completions", json={**COMPLETION, "model": "shared"})).json()["worker"]
+            for _ in range(4)
+        }
         assert shared == {"a", "b"}  # round robin over both
 
 
@@ -136,8 +139,7 @@ async def test_least_load_policy_by_name(two_workers, client: httpx.AsyncClient)
     async with run_router([w1.url, w2.url], policy="least_load") as (url, app):
         state = app.state.kvroute
         assert state.registry.get(w1.url.removeprefix("http://")).load.waiting == 5
-        workers = {(await client.post(url + "/v1/completions", json=COMPLETION)).json()["worker"]
-                   for _ in range(3)}
+        workers = {(await client.post(url + "/v1/completions", json=COMPLETION)).json()["worker"] for _ in range(3)}
     assert workers == {"w2"}
 
 

@@ -13,12 +13,16 @@ USAGE = {"prompt_tokens": 7, "prompt_tokens_details": {"cached_tokens": 5}}
 
 
 def test_sniffer_finds_usage_across_chunk_boundaries() -> None:
-    stream = (b'data: {"choices":[{"text":"a"}],"usage":null}\n\n'
-              + b"data: " + orjson.dumps({"choices": [], "usage": USAGE}) + b"\n\ndata: [DONE]\n\n")
+    stream = (
+        b'data: {"choices":[{"text":"a"}],"usage":null}\n\n'
+        + b"data: "
+        + orjson.dumps({"choices": [], "usage": USAGE})
+        + b"\n\ndata: [DONE]\n\n"
+    )
     for size in (1, 3, 7, len(stream)):
         sniffer = UsageSniffer()
         for i in range(0, len(stream), size):
-            sniffer.feed(stream[i:i + size])
+            sniffer.feed(stream[i : i + size])
         assert sniffer.usage == USAGE, size
 
 
@@ -36,26 +40,31 @@ def test_usage_of_json_bodies() -> None:
 
 
 def test_parse_vllm_metrics_sums_ranks_and_reads_block_size() -> None:
-    text = "\n".join([
-        "# TYPE vllm:num_requests_running gauge",
-        'vllm:num_requests_running{engine="0"} 2.0',
-        'vllm:num_requests_running{engine="1"} 3.0',
-        "# TYPE vllm:num_requests_waiting gauge",
-        'vllm:num_requests_waiting{engine="0"} 4.0',
-        "# TYPE vllm:kv_cache_usage_perc gauge",
-        'vllm:kv_cache_usage_perc{engine="0"} 0.2',
-        'vllm:kv_cache_usage_perc{engine="1"} 0.7',
-        "# TYPE vllm:prefix_cache_queries counter",
-        'vllm:prefix_cache_queries_total{engine="0"} 100.0',
-        'vllm:prefix_cache_queries_created{engine="0"} 1.7e9',
-        "# TYPE vllm:prefix_cache_hits counter",
-        'vllm:prefix_cache_hits_total{engine="0"} 40.0',
-        "# TYPE vllm:cache_config_info gauge",
-        'vllm:cache_config_info{block_size="32",engine="0",num_gpu_blocks="4096"} 1.0',
-        'vllm:cache_config_info{block_size="32",engine="1",num_gpu_blocks="4000"} 1.0',
-        "# TYPE something_else gauge",
-        "something_else 9",
-    ]) + "\n"
+    text = (
+        "\n".join(
+            [
+                "# TYPE vllm:num_requests_running gauge",
+                'vllm:num_requests_running{engine="0"} 2.0',
+                'vllm:num_requests_running{engine="1"} 3.0',
+                "# TYPE vllm:num_requests_waiting gauge",
+                'vllm:num_requests_waiting{engine="0"} 4.0',
+                "# TYPE vllm:kv_cache_usage_perc gauge",
+                'vllm:kv_cache_usage_perc{engine="0"} 0.2',
+                'vllm:kv_cache_usage_perc{engine="1"} 0.7',
+                "# TYPE vllm:prefix_cache_queries counter",
+                'vllm:prefix_cache_queries_total{engine="0"} 100.0',
+                'vllm:prefix_cache_queries_created{engine="0"} 1.7e9',
+                "# TYPE vllm:prefix_cache_hits counter",
+                'vllm:prefix_cache_hits_total{engine="0"} 40.0',
+                "# TYPE vllm:cache_config_info gauge",
+                'vllm:cache_config_info{block_size="32",engine="0",num_gpu_blocks="4096"} 1.0',
+                'vllm:cache_config_info{block_size="32",engine="1",num_gpu_blocks="4000"} 1.0',
+                "# TYPE something_else gauge",
+                "something_else 9",
+            ]
+        )
+        + "\n"
+    )
     load = parse_vllm_metrics(text)
     assert (load.running, load.waiting, load.kv_usage) == (5.0, 4.0, 0.7)
     assert (load.prefix_queries, load.prefix_hits, load.block_size) == (100.0, 40.0, 32)
@@ -63,8 +72,13 @@ def test_parse_vllm_metrics_sums_ranks_and_reads_block_size() -> None:
 
 
 def test_health_hysteresis() -> None:
-    registry = WorkerRegistry([WorkerConfig(url="http://127.0.0.1:1")], HttpxTransport(1, 1),
-                              RouterMetrics(), unhealthy_after=3, healthy_after=2)
+    registry = WorkerRegistry(
+        [WorkerConfig(url="http://127.0.0.1:1")],
+        HttpxTransport(1, 1),
+        RouterMetrics(),
+        unhealthy_after=3,
+        healthy_after=2,
+    )
     changes: list[tuple[str, bool]] = []
     registry.listeners.append(lambda wid, up: changes.append((wid, up)))
     state = registry.get("127.0.0.1:1")
@@ -87,14 +101,30 @@ def test_health_hysteresis() -> None:
 
 
 def test_header_filtering() -> None:
-    raw = [(b"Host", b"router"), (b"Connection", b"keep-alive"), (b"Content-Length", b"5"),
-           (b"Authorization", b"Bearer k"), (b"X-Request-Id", b"client"),
-           (b"Content-Type", b"application/json")]
+    raw = [
+        (b"Host", b"router"),
+        (b"Connection", b"keep-alive"),
+        (b"Content-Length", b"5"),
+        (b"Authorization", b"Bearer k"),
+        (b"X-Request-Id", b"client"),
+        (b"Content-Type", b"application/json"),
+    ]
     sent = dict(upstream_headers(raw, "rid"))
-    assert sent == {"x-request-id": "rid", "authorization": "Bearer k", "content-type": "application/json",
-                    "accept-encoding": "identity"}
-    back = response_headers([("Content-Type", "text/event-stream"), ("Transfer-Encoding", "chunked"),
-                             ("Server", "uvicorn"), ("X-Custom", "1")], "rid")
+    assert sent == {
+        "x-request-id": "rid",
+        "authorization": "Bearer k",
+        "content-type": "application/json",
+        "accept-encoding": "identity",
+    }
+    back = response_headers(
+        [
+            ("Content-Type", "text/event-stream"),
+            ("Transfer-Encoding", "chunked"),
+            ("Server", "uvicorn"),
+            ("X-Custom", "1"),
+        ],
+        "rid",
+    )
     assert back == [(b"x-request-id", b"rid"), (b"content-type", b"text/event-stream"), (b"x-custom", b"1")]
 
 

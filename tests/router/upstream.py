@@ -44,20 +44,44 @@ class FakeWorker:
 
     def completion(self, body: dict[str, Any], path: str) -> dict[str, Any]:
         chat = path.endswith("chat/completions")
-        choice = ({"index": 0, "message": {"role": "assistant", "content": f"hello from {self.name}"},
-                   "finish_reason": "stop"} if chat else
-                  {"index": 0, "text": f"hello from {self.name}", "finish_reason": "stop"})
-        return {"id": "cmpl-1", "object": "chat.completion" if chat else "text_completion", "created": 1,
-                "model": body.get("model"), "worker": self.name, "choices": [choice],
-                "usage": {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13,
-                          "prompt_tokens_details": {"cached_tokens": 4}}}
+        choice = (
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": f"hello from {self.name}"},
+                "finish_reason": "stop",
+            }
+            if chat
+            else {"index": 0, "text": f"hello from {self.name}", "finish_reason": "stop"}
+        )
+        return {
+            "id": "cmpl-1",
+            "object": "chat.completion" if chat else "text_completion",
+            "created": 1,
+            "model": body.get("model"),
+            "worker": self.name,
+            "choices": [choice],
+            "usage": {
+                "prompt_tokens": 10,
+                "completion_tokens": 3,
+                "total_tokens": 13,
+                "prompt_tokens_details": {"cached_tokens": 4},
+            },
+        }
 
     def sse_events(self, body: dict[str, Any]) -> list[bytes]:
-        events = [b"data: " + orjson.dumps({"id": "c", "worker": self.name, "choices": [{"text": f"t{i}"}],
-                                            "usage": None}) + b"\n\n" for i in range(self.chunks)]
+        events = [
+            b"data: "
+            + orjson.dumps({"id": "c", "worker": self.name, "choices": [{"text": f"t{i}"}], "usage": None})
+            + b"\n\n"
+            for i in range(self.chunks)
+        ]
         if (body.get("stream_options") or {}).get("include_usage"):
-            usage = {"prompt_tokens": 12, "completion_tokens": self.chunks, "total_tokens": 12 + self.chunks,
-                     "prompt_tokens_details": {"cached_tokens": 8}}
+            usage = {
+                "prompt_tokens": 12,
+                "completion_tokens": self.chunks,
+                "total_tokens": 12 + self.chunks,
+                "prompt_tokens_details": {"cached_tokens": 8},
+            }
             events.append(b"data: " + orjson.dumps({"id": "c", "choices": [], "usage": usage}) + b"\n\n")
         events.append(b"data: [DONE]\n\n")
         return events
@@ -87,19 +111,21 @@ class FakeWorker:
                 "# HELP vllm:kv_cache_usage_perc Usage.\n# TYPE vllm:kv_cache_usage_perc gauge\n"
                 'vllm:kv_cache_usage_perc{engine="0",model_name="m1"} 0.25\n'
                 "# HELP vllm:cache_config_info Info.\n# TYPE vllm:cache_config_info gauge\n"
-                'vllm:cache_config_info{block_size="16",engine="0"} 1.0\n')
+                'vllm:cache_config_info{block_size="16",engine="0"} 1.0\n'
+            )
             return Response(text, media_type="text/plain; version=0.0.4")
 
         async def models(request: Request) -> Response:
-            data = [{"id": m, "object": "model", "created": 1, "owned_by": "vllm", "max_model_len": 4096}
-                    for m in self.models]
+            data = [
+                {"id": m, "object": "model", "created": 1, "owned_by": "vllm", "max_model_len": 4096}
+                for m in self.models
+            ]
             return Response(orjson.dumps({"object": "list", "data": data}), media_type="application/json")
 
         async def generate(request: Request) -> Response:
             raw = await request.body()
             body = orjson.loads(raw)
-            self.seen.append({"path": request.url.path, "headers": dict(request.headers), "body": body,
-                              "raw": raw})
+            self.seen.append({"path": request.url.path, "headers": dict(request.headers), "body": body, "raw": raw})
             self.started.set()
             headers = {"x-seen-request-id": request.headers.get("x-request-id", "")}
             if self.delay_s and await self._client_left_during(request, self.delay_s):
@@ -107,8 +133,11 @@ class FakeWorker:
                 self.aborted.set()
                 return Response(status_code=499)
             if not body.get("stream"):
-                return Response(orjson.dumps(self.completion(body, request.url.path)),
-                                media_type="application/json", headers=headers)
+                return Response(
+                    orjson.dumps(self.completion(body, request.url.path)),
+                    media_type="application/json",
+                    headers=headers,
+                )
             events = self.sse_events(body)
 
             async def stream() -> AsyncIterator[bytes]:
@@ -128,23 +157,36 @@ class FakeWorker:
         async def tokenize(request: Request) -> Response:
             body = orjson.loads(await request.body())
             self.seen.append({"path": "/tokenize", "headers": dict(request.headers), "body": body})
-            return Response(orjson.dumps({"tokens": [1, 2, 3], "count": 3, "worker": self.name}),
-                            media_type="application/json")
+            return Response(
+                orjson.dumps({"tokens": [1, 2, 3], "count": 3, "worker": self.name}), media_type="application/json"
+            )
 
-        return Starlette(routes=[
-            Route("/health", health), Route("/metrics", metrics), Route("/v1/models", models),
-            Route("/v1/completions", generate, methods=["POST"]),
-            Route("/v1/chat/completions", generate, methods=["POST"]),
-            Route("/tokenize", tokenize, methods=["POST"]),
-        ])
+        return Starlette(
+            routes=[
+                Route("/health", health),
+                Route("/metrics", metrics),
+                Route("/v1/models", models),
+                Route("/v1/completions", generate, methods=["POST"]),
+                Route("/v1/chat/completions", generate, methods=["POST"]),
+                Route("/tokenize", tokenize, methods=["POST"]),
+            ]
+        )
 
 
 @contextlib.asynccontextmanager
 async def serve(app: Any, lifespan: str = "off") -> AsyncIterator[str]:
     """Run an ASGI app with uvicorn on a free loopback port in the current loop; yields its base URL."""
     port = free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan=lifespan,
-                            loop="none", http="httptools", access_log=False)
+    config = uvicorn.Config(
+        app,
+        host="127.0.0.1",
+        port=port,
+        log_level="warning",
+        lifespan=lifespan,
+        loop="none",
+        http="httptools",
+        access_log=False,
+    )
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())
     for _ in range(500):

@@ -18,8 +18,14 @@ from kvroute.router.conversations import (
     safe_ttl,
 )
 
-ENTRY = ConversationEntry(worker_id="d1", kv_transfer_params={"remote_block_ids": [1, 2], "remote_host": "h"},
-                          tokens=100, last_block_key=1234, blocks=6, stored_at=1.0)
+ENTRY = ConversationEntry(
+    worker_id="d1",
+    kv_transfer_params={"remote_block_ids": [1, 2], "remote_host": "h"},
+    tokens=100,
+    last_block_key=1234,
+    blocks=6,
+    stored_at=1.0,
+)
 
 
 @pytest.fixture(params=["memory", "redis"])
@@ -123,8 +129,7 @@ def test_conversation_id_from_body_or_header() -> None:
 
 def test_reusable_tokens_checks_the_new_prompt_extends_the_old_turn() -> None:
     keys = [root_key("m") + i for i in range(10)]
-    entry = ConversationEntry(worker_id="d", kv_transfer_params={}, tokens=100, last_block_key=keys[5],
-                              blocks=6)
+    entry = ConversationEntry(worker_id="d", kv_transfer_params={}, tokens=100, last_block_key=keys[5], blocks=6)
     assert entry.reusable_tokens(keys, 16) == 96
     assert entry.reusable_tokens(keys[:4], 16) == 0
     assert entry.reusable_tokens([0] * 10, 16) == 0

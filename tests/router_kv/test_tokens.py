@@ -25,24 +25,33 @@ CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-CORPUS = ["You are a helpful assistant.", "The quick brown fox jumps over the lazy dog.",
-          "def tokenize(text): return text.split()", "Quelle heure est-il ? Il est midi.",
-          "KV cache aware routing for vLLM workers", "numbers 12345 67890 and symbols !@#$%"] * 20
+CORPUS = [
+    "You are a helpful assistant.",
+    "The quick brown fox jumps over the lazy dog.",
+    "def tokenize(text): return text.split()",
+    "Quelle heure est-il ? Il est midi.",
+    "KV cache aware routing for vLLM workers",
+    "numbers 12345 67890 and symbols !@#$%",
+] * 20
 
 
 def build_model_folder(folder: Path) -> Path:
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<s>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(CORPUS, trainer)
     bos = tok.token_to_id("<s>")
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
     folder.mkdir(parents=True, exist_ok=True)
     tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML, "bos_token": "<s>",
-                                                              "eos_token": {"content": "<|im_end|>"}}))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": CHATML, "bos_token": "<s>", "eos_token": {"content": "<|im_end|>"}})
+    )
     return folder
 
 
@@ -62,8 +71,10 @@ def full_chat(tok: LocalTokenizer, messages: list[dict[str, str]]) -> list[int]:
 
 
 def test_chat_tokens_match_a_full_encode(local: LocalTokenizer) -> None:
-    messages = [{"role": "system", "content": "You are a helpful assistant."},
-                {"role": "user", "content": "Quelle heure est-il ?"}]
+    messages = [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "Quelle heure est-il ?"},
+    ]
     ids = local.encode_chat(messages)
     assert ids == full_chat(local, messages)
     assert ids[0] == local.tokenizer.token_to_id("<|im_start|>")
@@ -140,8 +151,9 @@ def tokenize_app(tok: LocalTokenizer, calls: list[dict[str, object]]) -> FastAPI
 async def server(local: LocalTokenizer) -> AsyncIterator[tuple[str, list[dict[str, object]]]]:
     calls: list[dict[str, object]] = []
     port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(tokenize_app(local, calls), host="127.0.0.1", port=port,
-                                        log_level="warning", lifespan="off"))
+    srv = uvicorn.Server(
+        uvicorn.Config(tokenize_app(local, calls), host="127.0.0.1", port=port, log_level="warning", lifespan="off")
+    )
     task = asyncio.create_task(srv.serve())
     while not srv.started:
         await asyncio.sleep(0.01)
@@ -150,8 +162,9 @@ async def server(local: LocalTokenizer) -> AsyncIterator[tuple[str, list[dict[st
     await task
 
 
-async def test_remote_tokenize_prompt_and_messages(server: tuple[str, list[dict[str, object]]],
-                                                   local: LocalTokenizer) -> None:
+async def test_remote_tokenize_prompt_and_messages(
+    server: tuple[str, list[dict[str, object]]], local: LocalTokenizer
+) -> None:
     url, calls = server
     async with httpx.AsyncClient() as client:
         remote = RemoteTokenizer(client, url, "m")
@@ -176,11 +189,14 @@ async def test_remote_errors_are_tokenize_errors(server: tuple[str, list[dict[st
             await dead.prompt_tokens("x")
 
 
-async def test_per_model_sources(server: tuple[str, list[dict[str, object]]], model_folder: Path,
-                                 local: LocalTokenizer) -> None:
+async def test_per_model_sources(
+    server: tuple[str, list[dict[str, object]]], model_folder: Path, local: LocalTokenizer
+) -> None:
     url, calls = server
-    models_cfg = [SimpleNamespace(name="local-model", tokenizer=str(model_folder), chat_template=None),
-                  SimpleNamespace(name="remote-model", tokenizer=None, chat_template=None)]
+    models_cfg = [
+        SimpleNamespace(name="local-model", tokenizer=str(model_folder), chat_template=None),
+        SimpleNamespace(name="remote-model", tokenizer=None, chat_template=None),
+    ]
     async with httpx.AsyncClient() as client:
         toks = Tokenizers.from_models(models_cfg, client, lambda m: url if m == "remote-model" else None)
         body = {"messages": [{"role": "user", "content": "hi"}]}

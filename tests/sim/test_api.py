@@ -15,7 +15,7 @@ def _sse(text: str) -> list[Any]:
     out = []
     for line in text.splitlines():
         if line.startswith("data: "):
-            data = line[len("data: "):]
+            data = line[len("data: ") :]
             out.append(data if data == "[DONE]" else orjson.loads(data))
     return out
 
@@ -28,8 +28,12 @@ async def test_completion_reports_cached_tokens_and_vllm_shape(make_fleet: Any, 
     second = (await client.post(f"{url}/v1/completions", json=body)).json()
     assert first["object"] == "text_completion" and first["choices"][0]["finish_reason"] == "length"
     assert len(first["choices"][0]["text"].split()) == 5
-    assert first["usage"] == {"prompt_tokens": 100, "completion_tokens": 5, "total_tokens": 105,
-                              "prompt_tokens_details": {"cached_tokens": 0}}
+    assert first["usage"] == {
+        "prompt_tokens": 100,
+        "completion_tokens": 5,
+        "total_tokens": 105,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 96  # 6 full blocks of 16
     assert "kv_transfer_params" in first and first["kv_transfer_params"] is None
     # Token-id prompts hit the same blocks as the text.
@@ -41,9 +45,10 @@ async def test_completion_reports_cached_tokens_and_vllm_shape(make_fleet: Any, 
 async def test_chat_streaming_chunks_and_usage(make_fleet: Any, client: Any) -> None:
     fleet = await make_fleet(1)
     messages = [{"role": "user", "content": words(30)}]
-    r = await client.post(f"{fleet[0].url}/v1/chat/completions",
-                          json={"messages": messages, "max_tokens": 4, "stream": True,
-                                "stream_options": {"include_usage": True}})
+    r = await client.post(
+        f"{fleet[0].url}/v1/chat/completions",
+        json={"messages": messages, "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}},
+    )
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     chunks = _sse(r.text)
     assert chunks[-1] == "[DONE]"
@@ -69,8 +74,7 @@ async def test_completion_streaming_without_usage(make_fleet: Any, client: Any) 
 async def test_non_streaming_chat_and_tokenize_agree(make_fleet: Any, client: Any) -> None:
     fleet = await make_fleet(1)
     url = fleet[0].url
-    messages = [{"role": "system", "content": "you are a tool user"},
-                {"role": "user", "content": "list files"}]
+    messages = [{"role": "system", "content": "you are a tool user"}, {"role": "user", "content": "list files"}]
     tok = (await client.post(f"{url}/tokenize", json={"messages": messages})).json()
     assert tok["tokens"] == encode_chat(messages) and tok["count"] == len(tok["tokens"])
     assert (await client.post(f"{url}/tokenize", json={"prompt": "a b"})).json()["tokens"] == tokenize("a b")
@@ -89,8 +93,13 @@ async def test_models_health_metrics(make_fleet: Any, client: Any) -> None:
     await client.post(f"{url}/v1/completions", json={"prompt": words(40), "max_tokens": 1})
     await client.post(f"{url}/v1/completions", json={"prompt": words(40), "max_tokens": 1})
     text = (await client.get(f"{url}/metrics")).text
-    for name in ("vllm:num_requests_running{", "vllm:num_requests_waiting{", "vllm:kv_cache_usage_perc{",
-                 "vllm:prefix_cache_queries_total{", "vllm:time_to_first_token_seconds_bucket{"):
+    for name in (
+        "vllm:num_requests_running{",
+        "vllm:num_requests_waiting{",
+        "vllm:kv_cache_usage_perc{",
+        "vllm:prefix_cache_queries_total{",
+        "vllm:time_to_first_token_seconds_bucket{",
+    ):
         assert name in text
     assert 'vllm:cache_config_info{block_size="16"' in text
     assert 'vllm:prefix_cache_hits_total{engine="0",model_name="sim-tiny"} 32.0' in text
@@ -101,23 +110,27 @@ async def test_models_health_metrics(make_fleet: Any, client: Any) -> None:
     assert (await client.post(f"{url}/v1/completions", json={"prompt": "a"})).status_code == 503
 
 
-@pytest.mark.parametrize(("path", "body", "status", "needle"), [
-    ("/v1/completions", b"{not json", 400, "Invalid JSON"),
-    ("/v1/completions", b"[1, 2]", 400, "JSON object"),
-    ("/v1/completions", {"model": "other", "prompt": "a"}, 404, "does not exist"),
-    ("/v1/completions", {"max_tokens": 3}, 400, "prompt is required"),
-    ("/v1/completions", {"prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
-    ("/v1/completions", {"prompt": "a", "n": 2}, 400, "n > 1"),
-    ("/v1/completions", {"prompt": [1, -5]}, 400, "Token ids"),
-    ("/v1/completions", {"prompt": "", "max_tokens": 1}, 400, "empty"),
-    ("/v1/completions", {"prompt": words(9000), "max_tokens": 1}, 400, "maximum context length"),
-    ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
-    ("/v1/chat/completions", {"messages": [{"content": "x"}]}, 400, "role"),
-    ("/v1/completions", {"prompt": "a", "kv_transfer_params": "x"}, 400, "kv_transfer_params"),
-    ("/tokenize", {"nothing": 1}, 400, "prompt"),
-])
-async def test_bad_input_gives_openai_errors(make_fleet: Any, client: Any, path: str, body: Any, status: int,
-                                             needle: str) -> None:
+@pytest.mark.parametrize(
+    ("path", "body", "status", "needle"),
+    [
+        ("/v1/completions", b"{not json", 400, "Invalid JSON"),
+        ("/v1/completions", b"[1, 2]", 400, "JSON object"),
+        ("/v1/completions", {"model": "other", "prompt": "a"}, 404, "does not exist"),
+        ("/v1/completions", {"max_tokens": 3}, 400, "prompt is required"),
+        ("/v1/completions", {"prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
+        ("/v1/completions", {"prompt": "a", "n": 2}, 400, "n > 1"),
+        ("/v1/completions", {"prompt": [1, -5]}, 400, "Token ids"),
+        ("/v1/completions", {"prompt": "", "max_tokens": 1}, 400, "empty"),
+        ("/v1/completions", {"prompt": words(9000), "max_tokens": 1}, 400, "maximum context length"),
+        ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
+        ("/v1/chat/completions", {"messages": [{"content": "x"}]}, 400, "role"),
+        ("/v1/completions", {"prompt": "a", "kv_transfer_params": "x"}, 400, "kv_transfer_params"),
+        ("/tokenize", {"nothing": 1}, 400, "prompt"),
+    ],
+)
+async def test_bad_input_gives_openai_errors(
+    make_fleet: Any, client: Any, path: str, body: Any, status: int, needle: str
+) -> None:
     fleet = await make_fleet(1)
     url = fleet[0].url
     kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}

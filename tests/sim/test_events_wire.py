@@ -45,8 +45,19 @@ async def test_bind_mode_map_form_every_field(make_fleet: Any, client: Any) -> N
     assert isinstance(raw, list) and len(raw) == 3 and isinstance(raw[0], float) and raw[2] == 0
     event = raw[1][0]
     assert event["type"] == "BlockStored"
-    assert {"block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",
-            "extra_keys", "group_idx", "kv_cache_spec_kind", "locality"} <= set(event)
+    assert {
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+        "lora_name",
+        "extra_keys",
+        "group_idx",
+        "kv_cache_spec_kind",
+        "locality",
+    } <= set(event)
     assert all(isinstance(h, int) and 0 <= h < 2**64 for h in event["block_hashes"])
     assert len(event["block_hashes"]) == 2 and event["parent_block_hash"] is None
     assert event["token_ids"] == tokenize(prompt)[:32] and event["block_size"] == 16
@@ -104,8 +115,9 @@ async def test_connect_mode_array_form_bytes_hashes(make_fleet: Any, client: Any
     seen: set[bytes] = set()
     for attempt in range(50):
         for w in fleet.workers:
-            r = await client.post(f"{w.url}/v1/completions", json={"prompt": words(20, f"a{attempt}-"),
-                                                                    "max_tokens": 1})
+            r = await client.post(
+                f"{w.url}/v1/completions", json={"prompt": words(20, f"a{attempt}-"), "max_tokens": 1}
+            )
             assert r.status_code == 200
         while await sub.poll(100):
             topic, _seq, payload = await sub.recv_multipart()

@@ -41,9 +41,26 @@ def test_cli_parser_and_bad_arguments(capsys: pytest.CaptureFixture[str]) -> Non
 
 def test_kvroute_sim_process_prints_config_and_serves(tmp_path: Path) -> None:
     out = tmp_path / "sim.yaml"
-    proc = subprocess.Popen([sys.executable, "-m", "kvroute.cli", "sim", "--workers", "2", "--preset", "tiny",
-                             "--base-port", "0", "--config-out", str(out), "--time-scale", "0.01"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvroute.cli",
+            "sim",
+            "--workers",
+            "2",
+            "--preset",
+            "tiny",
+            "--base-port",
+            "0",
+            "--config-out",
+            str(out),
+            "--time-scale",
+            "0.01",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
         deadline = time.monotonic() + 30
         while not out.exists() and time.monotonic() < deadline and proc.poll() is None:
@@ -88,8 +105,16 @@ def test_percentile() -> None:
 
 async def test_replay_measures_ttft_latency_and_cached_tokens(make_fleet: Any) -> None:
     fleet = await make_fleet(1, "llama-8b-h100", preset_overrides={"gpu_blocks": 4096}, time_scale=0.01)
-    trace = agentic_trace(5, sessions=3, steps=(3, 4), system_tokens=300, tool_tokens=(50, 200),
-                          answer_tokens=(5, 10), arrival_rate=50.0, tool_time_s=(0.0, 0.1))
+    trace = agentic_trace(
+        5,
+        sessions=3,
+        steps=(3, 4),
+        system_tokens=300,
+        tool_tokens=(50, 200),
+        answer_tokens=(5, 10),
+        arrival_rate=50.0,
+        tool_time_s=(0.0, 0.1),
+    )
     seen: list[Any] = []
     report = await replay(trace, fleet[0].url, time_scale=0.01, on_result=seen.append)
     assert len(report.results) == trace.n_requests == len(seen)
@@ -114,8 +139,9 @@ async def test_fleet_stats_and_reset(make_fleet: Any) -> None:
     fleet = await make_fleet(2)
     async with httpx.AsyncClient(timeout=10) as c:
         for _ in range(2):
-            r = await c.post(f"{fleet.urls[0]}/v1/completions", json={"prompt": " ".join("abcdefghij" * 4),
-                                                                       "max_tokens": 1})
+            r = await c.post(
+                f"{fleet.urls[0]}/v1/completions", json={"prompt": " ".join("abcdefghij" * 4), "max_tokens": 1}
+            )
             assert r.status_code == 200
     stats = fleet.stats()
     assert stats[0]["requests"] == 2 and stats[0]["prefix_cache_queries"] == 80
@@ -135,8 +161,10 @@ def test_hf_tokenizer_with_chat_template(tmp_path: Path) -> None:
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.add_special_tokens(["<s>"])
     tok.save(str(tmp_path / "tokenizer.json"))
-    template = ("{{ bos_token }}{% for m in messages %} {{ m.role }} {{ m.content }}{% endfor %}"
-                "{% if add_generation_prompt %} assistant{% endif %}")
+    template = (
+        "{{ bos_token }}{% for m in messages %} {{ m.role }} {{ m.content }}{% endfor %}"
+        "{% if add_generation_prompt %} assistant{% endif %}"
+    )
     config = {"chat_template": template, "bos_token": "<s>"}
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     hf = load_tokenizer(str(tmp_path))

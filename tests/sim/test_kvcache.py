@@ -21,7 +21,7 @@ def run(cache: PagedCache, tokens: list[int]) -> tuple[Allocation, int]:
     cache.acquire(alloc, hashes[:n_gpu])
     assert cache.reserve(alloc, len(hashes) - n_gpu)
     parent = hashes[n_gpu - 1] if n_gpu else None
-    cache.store(alloc, hashes[n_gpu:], tokens[n_gpu * BS: len(hashes) * BS], parent)
+    cache.store(alloc, hashes[n_gpu:], tokens[n_gpu * BS : len(hashes) * BS], parent)
     return alloc, n_gpu
 
 

@@ -75,8 +75,11 @@ def test_link_is_measured_nixl_rate_per_rank_and_below_line_rate(p5en) -> None:
 def test_transfer_of_the_history_adds_setup_descriptors_and_bytes(p5en) -> None:
     blocks = HISTORY // p5en.block_size
     got = transfer_seconds(p5en, blocks)
-    parts = (p5en.transfer_setup_s, blocks * p5en.transfer_per_block_s,
-             blocks * p5en.bytes_per_block / p5en.link_bytes_per_s)
+    parts = (
+        p5en.transfer_setup_s,
+        blocks * p5en.transfer_per_block_s,
+        blocks * p5en.bytes_per_block / p5en.link_bytes_per_s,
+    )
     assert got == pytest.approx(sum(parts))
     assert parts[2] == pytest.approx(0.082, abs=0.002)  # 6.3 GB at 76.8 GB/s
     assert parts[1] == pytest.approx(0.468, abs=0.005)  # 192k descriptors at 2.44 us
@@ -90,4 +93,5 @@ def test_other_presets_have_no_per_block_cost() -> None:
             continue
         assert preset.transfer_per_block_s == 0.0
         assert transfer_seconds(preset, 100) == pytest.approx(
-            preset.transfer_setup_s + 100 * preset.bytes_per_block / preset.link_bytes_per_s)
+            preset.transfer_setup_s + 100 * preset.bytes_per_block / preset.link_bytes_per_s
+        )

@@ -23,9 +23,12 @@ async def test_max_num_seqs_queues_the_rest(make_fleet: Any, client: Any) -> Non
     # tiny: 8 sequences, 1 ms decode steps; enough KV space that only the slot limit binds.
     fleet = await make_fleet(1, time_scale=1.0, preset_overrides={"gpu_blocks": 1024})
     w = fleet[0]
-    tasks = [asyncio.create_task(client.post(f"{w.url}/v1/completions",
-                                             json={"prompt": words(10, f"q{i}-"), "max_tokens": 500}))
-             for i in range(11)]
+    tasks = [
+        asyncio.create_task(
+            client.post(f"{w.url}/v1/completions", json={"prompt": words(10, f"q{i}-"), "max_tokens": 500})
+        )
+        for i in range(11)
+    ]
     await _until(lambda: w.engine.running == 8 and w.engine.waiting == 3)
     text = (await client.get(f"{w.url}/metrics")).text
     assert 'vllm:num_requests_waiting{engine="0",model_name="sim-tiny"} 3.0' in text

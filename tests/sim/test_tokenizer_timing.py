@@ -16,8 +16,10 @@ def test_tokenize_is_stable_and_whitespace_based() -> None:
 
 
 def test_chat_template_is_deterministic_and_shared() -> None:
-    messages = [{"role": "system", "content": "be brief"},
-                {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+    ]
     assert render_chat(messages) == "<|system|> be brief <|end|> <|user|> hi <|end|> <|assistant|>"
     assert encode_chat(messages) == tokenize(render_chat(messages))
     assert BuiltinTokenizer().encode_chat(messages, False) == tokenize(render_chat(messages, False))

@@ -28,8 +28,7 @@ async def sent_bytes(client: Any, url: str, protocol: str) -> float:
     return metric(text, "kvroute_sim:kv_transfer_bytes_total", direction="sent", protocol=protocol)
 
 
-async def complete(client: Any, url: str, prompt: str, kv: dict[str, Any] | None = None, **body: Any
-                   ) -> dict[str, Any]:
+async def complete(client: Any, url: str, prompt: str, kv: dict[str, Any] | None = None, **body: Any) -> dict[str, Any]:
     payload: dict[str, Any] = {"prompt": prompt, "max_tokens": body.pop("max_tokens", 2), **body}
     if kv is not None:
         payload["kv_transfer_params"] = kv
@@ -161,21 +160,27 @@ async def test_p2p_control_answers_hit_miss_and_survives_garbage(make_fleet: Any
         ctx.term()
 
 
-@pytest.mark.parametrize("kv", [
-    {"remote_prefiller": {"kv_request_id": "a", "remote_host": "h", "remote_port": 1},
-     "remote_kv_source": {"kv_request_id": "b", "remote_host": "h", "remote_port": 1}},
-    {"remote_prefiller": {"kv_request_id": "a", "remote_host": "h", "remote_port": 1},
-     "remote_decoder": {"kv_request_id": "b"}},
-    {"remote_decoder": {"kv_request_id": "a"}, "do_remote_decode": True},
-    {"do_remote_decode": True, "do_remote_prefill": True},
-    {"do_remote_prefill": True},
-    {"remote_kv_source": {"kv_request_id": "a", "remote_host": "h", "remote_port": 70000}},
-    {"remote_kv_source": {"remote_host": "h", "remote_port": 1}},
-    {"max_offload_tokens": -1},
-    {"kv_load_tiers": [{"medium": "GPU"}]},
-])
-async def test_forbidden_or_malformed_params_are_rejected(make_fleet: Any, client: Any, kv: dict[str, Any]
-                                                          ) -> None:
+@pytest.mark.parametrize(
+    "kv",
+    [
+        {
+            "remote_prefiller": {"kv_request_id": "a", "remote_host": "h", "remote_port": 1},
+            "remote_kv_source": {"kv_request_id": "b", "remote_host": "h", "remote_port": 1},
+        },
+        {
+            "remote_prefiller": {"kv_request_id": "a", "remote_host": "h", "remote_port": 1},
+            "remote_decoder": {"kv_request_id": "b"},
+        },
+        {"remote_decoder": {"kv_request_id": "a"}, "do_remote_decode": True},
+        {"do_remote_decode": True, "do_remote_prefill": True},
+        {"do_remote_prefill": True},
+        {"remote_kv_source": {"kv_request_id": "a", "remote_host": "h", "remote_port": 70000}},
+        {"remote_kv_source": {"remote_host": "h", "remote_port": 1}},
+        {"max_offload_tokens": -1},
+        {"kv_load_tiers": [{"medium": "GPU"}]},
+    ],
+)
+async def test_forbidden_or_malformed_params_are_rejected(make_fleet: Any, client: Any, kv: dict[str, Any]) -> None:
     fleet = await make_fleet(1)
     r = await client.post(f"{fleet[0].url}/v1/completions", json={"prompt": "a b", "kv_transfer_params": kv})
     assert r.status_code == 400
@@ -186,8 +191,14 @@ async def test_forbidden_or_malformed_params_are_rejected(make_fleet: Any, clien
 
 # -- NixlConnector pull P/D and bidirectional reuse -----------------------------------------------------
 
-NIXL_PREFILL = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-                "remote_block_ids": None, "remote_host": None, "remote_port": None}
+NIXL_PREFILL = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
 
 
 async def test_nixl_pull_pd_and_bidirectional_reuse(make_fleet: Any, client: Any) -> None:
@@ -232,8 +243,9 @@ async def test_bidirectional_threshold_recomputes_small_reuse(make_fleet: Any, c
 
 async def test_decoder_retention_expires_on_time_and_is_not_renewed(make_fleet: Any, client: Any) -> None:
     scale = 0.005  # 480 s -> 2.4 s real: long enough for the steps below on a busy machine
-    fleet = await make_fleet(4, roles=["prefill", "decode", "prefill", "prefill"],
-                             decoder_kv_blocks_ttl=480.0, time_scale=scale)
+    fleet = await make_fleet(
+        4, roles=["prefill", "decode", "prefill", "prefill"], decoder_kv_blocks_ttl=480.0, time_scale=scale
+    )
     p, d, p2, p3 = fleet.workers  # fresh prefillers for the reads: nothing cached locally
     prompt = words(100)
     params = (await complete(client, p.url, prompt, dict(NIXL_PREFILL), max_tokens=1))["kv_transfer_params"]

@@ -35,8 +35,9 @@ def tiny_model(vllm_python: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def vllm_pool(vllm_python: Path, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
-              ) -> Iterator[list[VllmServer]]:
+def vllm_pool(
+    vllm_python: Path, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[list[VllmServer]]:
     """Two running vLLM servers: ``a`` (events in connect mode), ``b`` (bind mode, own OMP core)."""
     pool = make_pool(vllm_python, tiny_model, tmp_path_factory.mktemp("vllm-logs"))
     try:

@@ -27,8 +27,9 @@ SYNC_TIMEOUT_S = 60.0
 def spec_for(server: VllmServer) -> WorkerSpec:
     """vLLM binding its PUB (ipc) -> we connect to it; vLLM connecting (tcp) -> our bound socket."""
     endpoint = server.events if server.vllm_binds_events else None
-    return WorkerSpec(worker_id=server.name, model=MODEL_NAME, endpoint=endpoint, topic=server.topic,
-                      replay=server.replay)
+    return WorkerSpec(
+        worker_id=server.name, model=MODEL_NAME, endpoint=endpoint, topic=server.topic, replay=server.replay
+    )
 
 
 @dataclass
@@ -105,12 +106,21 @@ class IndexedPool:
                 return
             except AssertionError:
                 if asyncio.get_running_loop().time() > deadline:
-                    raise AssertionError(f"the index never showed {server.name}'s sentinel blocks "
-                                         f"within {SYNC_TIMEOUT_S:.0f} s") from None
+                    raise AssertionError(
+                        f"the index never showed {server.name}'s sentinel blocks within {SYNC_TIMEOUT_S:.0f} s"
+                    ) from None
 
-    async def probe(self, server: VllmServer, http: httpx.AsyncClient, rng: random.Random, *,
-                    prompt: str | list[int] | None = None, messages: list[dict[str, str]] | None = None,
-                    max_tokens: int = 1, cache_salt: str | None = None) -> Answer:
+    async def probe(
+        self,
+        server: VllmServer,
+        http: httpx.AsyncClient,
+        rng: random.Random,
+        *,
+        prompt: str | list[int] | None = None,
+        messages: list[dict[str, str]] | None = None,
+        max_tokens: int = 1,
+        cache_salt: str | None = None,
+    ) -> Answer:
         """Sync, predict from the index, send, record predicted vs reported cached tokens.
 
         ``prompt`` may be token ids (sent as such: no BOS added), to hit exact block boundaries.

@@ -41,12 +41,81 @@ CHAT_TEMPLATE = (
 def corpus(seed: int = 7, lines: int = 4000) -> list[str]:
     """Pseudo-English lines from a fixed syllable set: enough variety for ~1000 merges."""
     rng = random.Random(seed)
-    syllables = ["ka", "lo", "mi", "ne", "ru", "sa", "to", "vi", "ze", "pa", "qu", "do", "fe", "gi",
-                 "ha", "ju", "be", "co", "xi", "wy", "an", "er", "in", "on", "us", "th", "st", "ch"]
+    syllables = [
+        "ka",
+        "lo",
+        "mi",
+        "ne",
+        "ru",
+        "sa",
+        "to",
+        "vi",
+        "ze",
+        "pa",
+        "qu",
+        "do",
+        "fe",
+        "gi",
+        "ha",
+        "ju",
+        "be",
+        "co",
+        "xi",
+        "wy",
+        "an",
+        "er",
+        "in",
+        "on",
+        "us",
+        "th",
+        "st",
+        "ch",
+    ]
     words = ["".join(rng.choice(syllables) for _ in range(rng.randint(1, 4))) for _ in range(3000)]
-    words += ["the", "and", "of", "to", "in", "is", "you", "that", "it", "for", "tool", "call", "result",
-              "user", "assistant", "system", "file", "read", "write", "error", "ok", "0", "1", "2", "3",
-              "4", "5", "6", "7", "8", "9", "{", "}", "(", ")", ":", ",", ".", "\"", "'", "-", "_"]
+    words += [
+        "the",
+        "and",
+        "of",
+        "to",
+        "in",
+        "is",
+        "you",
+        "that",
+        "it",
+        "for",
+        "tool",
+        "call",
+        "result",
+        "user",
+        "assistant",
+        "system",
+        "file",
+        "read",
+        "write",
+        "error",
+        "ok",
+        "0",
+        "1",
+        "2",
+        "3",
+        "4",
+        "5",
+        "6",
+        "7",
+        "8",
+        "9",
+        "{",
+        "}",
+        "(",
+        ")",
+        ":",
+        ",",
+        ".",
+        '"',
+        "'",
+        "-",
+        "_",
+    ]
     return [" ".join(rng.choice(words) for _ in range(rng.randint(5, 30))) for _ in range(lines)]
 
 
@@ -59,18 +128,27 @@ def build_tokenizer(out: Path) -> int:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE, special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tok.train_from_iterator(corpus(), trainer=trainer)
     bos_id = tok.token_to_id("<s>")
     # Completions get a BOS like Llama tokenizers do; the router must reproduce it.
     tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos_id)],
+        single="<s> $A",
+        pair="<s> $A <s> $B",
+        special_tokens=[("<s>", bos_id)],
     )
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="</s>",
-        additional_special_tokens=SPECIAL_TOKENS[3:], model_max_length=2048,
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="</s>",
+        additional_special_tokens=SPECIAL_TOKENS[3:],
+        model_max_length=2048,
     )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out)
@@ -91,9 +169,18 @@ def build_model(out: Path, vocab_size: int) -> None:
 
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=2048,
-        bos_token_id=0, eos_token_id=1, pad_token_id=1, tie_word_embeddings=True,
+        vocab_size=vocab_size,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=2048,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=1,
+        tie_word_embeddings=True,
     )
     model = LlamaForCausalLM(config).to(torch.float32)
     model.save_pretrained(out, safe_serialization=True)

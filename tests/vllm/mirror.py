@@ -50,7 +50,7 @@ class WorkerMirror:
             if isinstance(event, BlockStored):
                 parent = None if event.parent_block_hash is None else self.key_of[event.parent_block_hash]
                 for i, h in enumerate(event.block_hashes):
-                    parent = block_key(parent, event.token_ids[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE])
+                    parent = block_key(parent, event.token_ids[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE])
                     self.key_of[h] = parent
                     self.copies[parent] = self.copies.get(parent, 0) + 1
             elif isinstance(event, BlockRemoved):
@@ -64,7 +64,7 @@ class WorkerMirror:
     def cached_blocks(self, tokens: list[int]) -> int:
         parent: Key | None = None
         for n in range(len(tokens) // BLOCK_SIZE):
-            parent = block_key(parent, tokens[n * BLOCK_SIZE:(n + 1) * BLOCK_SIZE])
+            parent = block_key(parent, tokens[n * BLOCK_SIZE : (n + 1) * BLOCK_SIZE])
             if parent not in self.copies:
                 return n
         return len(tokens) // BLOCK_SIZE

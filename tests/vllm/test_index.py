@@ -34,8 +34,9 @@ class History:
     conversation: list[dict[str, str]] = field(default_factory=list)
 
 
-async def mixed_workload(server: VllmServer, http: httpx.AsyncClient, rng: random.Random,
-                         distinct: int = 2 * NUM_BLOCKS // 5) -> History:
+async def mixed_workload(
+    server: VllmServer, http: httpx.AsyncClient, rng: random.Random, distinct: int = 2 * NUM_BLOCKS // 5
+) -> History:
     """Shared prefixes, distinct prompts (by default twice the cache: evictions), decode blocks, chat."""
     hist = History(system="you are a careful agent with tools. " + prompt_words(rng, 110))
     hist.conversation = [{"role": "system", "content": hist.system}]
@@ -55,17 +56,19 @@ async def mixed_workload(server: VllmServer, http: httpx.AsyncClient, rng: rando
     return hist
 
 
-async def probe_all(pool: IndexedPool, server: VllmServer, hist: History, http: httpx.AsyncClient,
-                    rng: random.Random) -> None:
+async def probe_all(
+    pool: IndexedPool, server: VllmServer, hist: History, http: httpx.AsyncClient, rng: random.Random
+) -> None:
     """Fresh probes that hit, partly hit and miss the worker's cache, through both endpoints."""
     new = prompt_words(rng, 12)
     await pool.probe(server, http, rng, prompt=hist.system + " question: " + new)
-    await pool.probe(server, http, rng, prompt=hist.distinct[0] + " " + new)      # long evicted
-    await pool.probe(server, http, rng, prompt=hist.distinct[-1] + " " + new)     # recent
-    await pool.probe(server, http, rng, prompt=hist.continued[-1] + " " + new)    # decode-filled blocks
+    await pool.probe(server, http, rng, prompt=hist.distinct[0] + " " + new)  # long evicted
+    await pool.probe(server, http, rng, prompt=hist.distinct[-1] + " " + new)  # recent
+    await pool.probe(server, http, rng, prompt=hist.continued[-1] + " " + new)  # decode-filled blocks
     await pool.probe(server, http, rng, messages=[*hist.conversation, {"role": "user", "content": new}])
-    await pool.probe(server, http, rng, messages=[{"role": "system", "content": hist.system},
-                                                  {"role": "user", "content": new}])
+    await pool.probe(
+        server, http, rng, messages=[{"role": "system", "content": hist.system}, {"role": "user", "content": new}]
+    )
     # Exact block multiples: sent twice as token ids, the second time vLLM must recompute one block.
     ids = [rng.randrange(10, 1000) for _ in range(3 * BLOCK_SIZE)]
     await pool.probe(server, http, rng, prompt=ids)
@@ -93,8 +96,9 @@ async def backend(request: pytest.FixtureRequest) -> AsyncIterator[IndexBackend]
 
 
 @pytest.fixture
-async def indexed(vllm_pool: list[VllmServer], backend: IndexBackend,
-                  reference_tokenizer: ReferenceTokenizer) -> AsyncIterator[IndexedPool]:
+async def indexed(
+    vllm_pool: list[VllmServer], backend: IndexBackend, reference_tokenizer: ReferenceTokenizer
+) -> AsyncIterator[IndexedPool]:
     pool = IndexedPool(vllm_pool, backend, reference_tokenizer)
     yield pool
     await pool.stop()
@@ -106,8 +110,7 @@ async def run_and_probe(pool: IndexedPool, http: httpx.AsyncClient, rng: random.
         await probe_all(pool, server, hist, http, rng)
 
 
-async def test_index_agrees_with_engine(indexed: IndexedPool, http: httpx.AsyncClient,
-                                        rng: random.Random) -> None:
+async def test_index_agrees_with_engine(indexed: IndexedPool, http: httpx.AsyncClient, rng: random.Random) -> None:
     """A fresh probe on each worker: predicted == reported cached tokens, after evictions and chat."""
     await indexed.start()
     for server in indexed.servers:
@@ -121,9 +124,13 @@ async def test_index_agrees_with_engine(indexed: IndexedPool, http: httpx.AsyncC
         assert worker.get("dropped", 0) == 0, f"the indexer dropped messages from {worker['id']}"
 
 
-async def test_cache_salt_isolates_tenants(vllm_pool: list[VllmServer], memory_backend: IndexBackend,
-                                          reference_tokenizer: ReferenceTokenizer, http: httpx.AsyncClient,
-                                          rng: random.Random) -> None:
+async def test_cache_salt_isolates_tenants(
+    vllm_pool: list[VllmServer],
+    memory_backend: IndexBackend,
+    reference_tokenizer: ReferenceTokenizer,
+    http: httpx.AsyncClient,
+    rng: random.Random,
+) -> None:
     """A tenant's ``cache_salt`` keys its blocks (vLLM puts it in block 0's extra keys; so do we)."""
     server = vllm_pool[1]
     pool = IndexedPool([server], memory_backend, reference_tokenizer)
@@ -135,8 +142,7 @@ async def test_cache_salt_isolates_tenants(vllm_pool: list[VllmServer], memory_b
         for salt in ("tenant-1", "tenant-2", None):
             await pool.probe(server, http, rng, prompt=shared + " " + prompt_words(rng, 5), cache_salt=salt)
         await pool.probe(server, http, rng, messages=[{"role": "user", "content": shared}], cache_salt="t-3")
-        await pool.probe(server, http, rng, messages=[{"role": "user", "content": shared + " more"}],
-                         cache_salt="t-3")
+        await pool.probe(server, http, rng, messages=[{"role": "user", "content": shared + " more"}], cache_salt="t-3")
         pool.assert_all_exact()
         hits = [p.cached for p in pool.probes]
         assert hits[0] > 0 and hits[1] == 0 and hits[2] == 0 and hits[4] > 0, pool.probes
@@ -144,9 +150,13 @@ async def test_cache_salt_isolates_tenants(vllm_pool: list[VllmServer], memory_b
         await pool.stop()
 
 
-async def test_duplicate_block_copies(vllm_pool: list[VllmServer], memory_backend: IndexBackend,
-                                      reference_tokenizer: ReferenceTokenizer, http: httpx.AsyncClient,
-                                      rng: random.Random) -> None:
+async def test_duplicate_block_copies(
+    vllm_pool: list[VllmServer],
+    memory_backend: IndexBackend,
+    reference_tokenizer: ReferenceTokenizer,
+    http: httpx.AsyncClient,
+    rng: random.Random,
+) -> None:
     """vLLM can hold two copies of one block hash and sends one BlockRemoved per copy.
 
     A prompt sent twice whose length is a block multiple makes the engine recompute (and store again)
@@ -173,8 +183,12 @@ async def test_duplicate_block_copies(vllm_pool: list[VllmServer], memory_backen
 
 
 async def test_subscriber_restart_catches_up_through_replay(
-        vllm_pool: list[VllmServer], memory_backend: IndexBackend, reference_tokenizer: ReferenceTokenizer,
-        http: httpx.AsyncClient, rng: random.Random) -> None:
+    vllm_pool: list[VllmServer],
+    memory_backend: IndexBackend,
+    reference_tokenizer: ReferenceTokenizer,
+    http: httpx.AsyncClient,
+    rng: random.Random,
+) -> None:
     """Subscriber down while the workers keep working; back up, a sequence gap triggers a replay."""
     pool = IndexedPool(vllm_pool, memory_backend, reference_tokenizer)
     await pool.start()
@@ -195,8 +209,12 @@ async def test_subscriber_restart_catches_up_through_replay(
 
 
 async def test_fresh_router_rebuilds_through_replay(
-        vllm_pool: list[VllmServer], memory_backend: IndexBackend, reference_tokenizer: ReferenceTokenizer,
-        http: httpx.AsyncClient, rng: random.Random) -> None:
+    vllm_pool: list[VllmServer],
+    memory_backend: IndexBackend,
+    reference_tokenizer: ReferenceTokenizer,
+    http: httpx.AsyncClient,
+    rng: random.Random,
+) -> None:
     """A router process started after the workers have cached things learns them from replay."""
     histories = await asyncio.gather(*(mixed_workload(s, http, rng) for s in vllm_pool))
     pool = IndexedPool(vllm_pool, memory_backend, reference_tokenizer)
@@ -210,8 +228,12 @@ async def test_fresh_router_rebuilds_through_replay(
 
 
 async def test_vllm_restart_purges_and_reconverges(
-        vllm_pool: list[VllmServer], memory_backend: IndexBackend, reference_tokenizer: ReferenceTokenizer,
-        http: httpx.AsyncClient, rng: random.Random) -> None:
+    vllm_pool: list[VllmServer],
+    memory_backend: IndexBackend,
+    reference_tokenizer: ReferenceTokenizer,
+    http: httpx.AsyncClient,
+    rng: random.Random,
+) -> None:
     """Both engines restart (cache empty, seq 0): their old entries go, then predictions are exact."""
     pool = IndexedPool(vllm_pool, memory_backend, reference_tokenizer, grace_s=2.0)
     await pool.start()
@@ -233,8 +255,9 @@ async def test_vllm_restart_purges_and_reconverges(
         for server in vllm_pool:
             await pool.sync(server, http, rng)
             tokens = reference_tokenizer.completion(old_prompt[server.name])
-            await wait_for(lambda s=server, t=tokens: _zero(pool, s.name, t), 30,
-                           what=f"old entries of {server.name} purged")
+            await wait_for(
+                lambda s=server, t=tokens: _zero(pool, s.name, t), 30, what=f"old entries of {server.name} purged"
+            )
         assert (await pool.stats())["purges"] > purges_before
         after = await asyncio.gather(*(mixed_workload(s, http, rng) for s in vllm_pool))
         for server, hist in zip(vllm_pool, after, strict=True):

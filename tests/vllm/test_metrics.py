@@ -22,8 +22,9 @@ async def scrape(http: httpx.AsyncClient, server: VllmServer) -> WorkerLoad:
 
 
 @pytest.mark.parametrize("which", [0, 1])
-async def test_scraped_counters_follow_requests(which: int, vllm_pool: list[VllmServer],
-                                                http: httpx.AsyncClient, rng: random.Random) -> None:
+async def test_scraped_counters_follow_requests(
+    which: int, vllm_pool: list[VllmServer], http: httpx.AsyncClient, rng: random.Random
+) -> None:
     server = vllm_pool[which]
     before = await scrape(http, server)
     assert before.block_size == BLOCK_SIZE, "vllm:cache_config_info{block_size} not read"

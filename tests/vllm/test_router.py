@@ -45,17 +45,19 @@ async def index_lookup(http: httpx.AsyncClient, router: RouterProcess, tokens: l
     body = {"model": MODEL_NAME, "token_ids": tokens}
     resp = await http.post(f"{router.url}/admin/index/lookup", json=body)
     if resp.status_code == 404:
-        pytest.skip("kvroute serve does not expose its index yet (POST /admin/index/lookup is 404): "
-                    "the router's index wiring is not there")
+        pytest.skip(
+            "kvroute serve does not expose its index yet (POST /admin/index/lookup is 404): "
+            "the router's index wiring is not there"
+        )
     assert resp.status_code == 200, resp.text
     return {row["worker"]: row["blocks"] for row in resp.json()["matches"]}
 
 
-async def routed(http: httpx.AsyncClient, router: RouterProcess, body: dict[str, Any], path: str
-                 ) -> tuple[dict[str, Any], dict[str, Any]]:
+async def routed(
+    http: httpx.AsyncClient, router: RouterProcess, body: dict[str, Any], path: str
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """Send through the router; return vLLM's answer and the router's plan."""
-    resp = await http.post(f"{router.url}{path}", json={"model": MODEL_NAME, "temperature": 0, **body},
-                           headers=DEBUG)
+    resp = await http.post(f"{router.url}{path}", json={"model": MODEL_NAME, "temperature": 0, **body}, headers=DEBUG)
     assert resp.status_code == 200, resp.text[:500]
     plan = resp.headers.get("x-kvroute-plan")
     assert plan, "no X-KVRoute-Plan header: debug_headers is on in the config"
@@ -66,8 +68,13 @@ def cached_of(answer: dict[str, Any]) -> int:
     return int(((answer.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
 
 
-async def place_prefix(http: httpx.AsyncClient, router: RouterProcess, server: VllmServer,
-                       tokenizer: ReferenceTokenizer, rng: random.Random) -> str:
+async def place_prefix(
+    http: httpx.AsyncClient,
+    router: RouterProcess,
+    server: VllmServer,
+    tokenizer: ReferenceTokenizer,
+    rng: random.Random,
+) -> str:
     """Send a fresh prompt straight to one worker and wait until the router's index shows it there."""
     for _ in range(10):
         prompt = prompt_words(rng, 200)
@@ -85,9 +92,14 @@ async def _holds(http: httpx.AsyncClient, router: RouterProcess, worker: str, to
     return (await index_lookup(http, router, tokens)).get(worker, 0) >= len(tokens) // BLOCK_SIZE
 
 
-async def test_proxy_against_real_vllm(vllm_pool: list[VllmServer], tiny_model: Path, tmp_path: Path,
-                                       http: httpx.AsyncClient, rng: random.Random,
-                                       reference_tokenizer: ReferenceTokenizer) -> None:
+async def test_proxy_against_real_vllm(
+    vllm_pool: list[VllmServer],
+    tiny_model: Path,
+    tmp_path: Path,
+    http: httpx.AsyncClient,
+    rng: random.Random,
+    reference_tokenizer: ReferenceTokenizer,
+) -> None:
     """Without any index: kvroute serve proxies real vLLM (JSON, SSE with usage, /tokenize, /v1/models)."""
     proc = make_router(vllm_pool, tiny_model, tmp_path, policy="round_robin")
     proc.start()
@@ -95,11 +107,18 @@ async def test_proxy_against_real_vllm(vllm_pool: list[VllmServer], tiny_model: 
         models = (await http.get(f"{proc.url}/v1/models")).json()
         assert [m["id"] for m in models["data"]] == [MODEL_NAME]
         messages = [{"role": "user", "content": prompt_words(rng, 40)}]
-        resp = await http.post(f"{proc.url}/tokenize", json={"model": MODEL_NAME, "messages": messages,
-                                                              "add_generation_prompt": True})
+        resp = await http.post(
+            f"{proc.url}/tokenize", json={"model": MODEL_NAME, "messages": messages, "add_generation_prompt": True}
+        )
         assert resp.status_code == 200 and resp.json()["tokens"] == reference_tokenizer.chat(messages)
-        body = {"model": MODEL_NAME, "messages": messages, "max_tokens": 8, "temperature": 0, "stream": True,
-                "stream_options": {"include_usage": True}}
+        body = {
+            "model": MODEL_NAME,
+            "messages": messages,
+            "max_tokens": 8,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         chunks = []
         async with http.stream("POST", f"{proc.url}/v1/chat/completions", json=body) as stream:
             assert stream.status_code == 200
@@ -111,16 +130,18 @@ async def test_proxy_against_real_vllm(vllm_pool: list[VllmServer], tiny_model: 
         usage = json.loads(chunks[-2])["usage"]
         assert usage["prompt_tokens"] == len(reference_tokenizer.chat(messages))
         assert "cached_tokens" in usage["prompt_tokens_details"]
-        text = "".join(json.loads(c)["choices"][0]["delta"].get("content") or ""
-                       for c in chunks[:-1] if json.loads(c)["choices"])
+        text = "".join(
+            json.loads(c)["choices"][0]["delta"].get("content") or "" for c in chunks[:-1] if json.loads(c)["choices"]
+        )
         direct = await chat(http, vllm_pool[0].url, messages, max_tokens=8)
         assert text == direct.text  # temperature 0: the same answer through the router
     finally:
         proc.stop()
 
 
-async def test_oracle_is_exact(vllm_pool: list[VllmServer], http: httpx.AsyncClient, rng: random.Random,
-                               reference_tokenizer: ReferenceTokenizer) -> None:
+async def test_oracle_is_exact(
+    vllm_pool: list[VllmServer], http: httpx.AsyncClient, rng: random.Random, reference_tokenizer: ReferenceTokenizer
+) -> None:
     """The tier's oracle itself matches the engine (copies of a recomputed block included)."""
     server = vllm_pool[0]
     oracle = Oracle([server])
@@ -140,9 +161,13 @@ async def test_oracle_is_exact(vllm_pool: list[VllmServer], http: httpx.AsyncCli
     assert not shortfalls, shortfalls
 
 
-async def test_prefix_goes_to_its_worker(router: RouterProcess, vllm_pool: list[VllmServer],
-                                         http: httpx.AsyncClient, rng: random.Random,
-                                         reference_tokenizer: ReferenceTokenizer) -> None:
+async def test_prefix_goes_to_its_worker(
+    router: RouterProcess,
+    vllm_pool: list[VllmServer],
+    http: httpx.AsyncClient,
+    rng: random.Random,
+    reference_tokenizer: ReferenceTokenizer,
+) -> None:
     """A prompt whose prefix lives on one worker goes there, and vLLM reports the predicted hit."""
     for server in [*vllm_pool, *reversed(vllm_pool)]:
         prompt = await place_prefix(http, router, server, reference_tokenizer, rng)
@@ -155,13 +180,19 @@ async def test_prefix_goes_to_its_worker(router: RouterProcess, vllm_pool: list[
         assert plan["predicted_cached_tokens"] == expected, plan
 
 
-async def test_chat_prefix_goes_to_its_worker(router: RouterProcess, vllm_pool: list[VllmServer],
-                                              http: httpx.AsyncClient, rng: random.Random,
-                                              reference_tokenizer: ReferenceTokenizer) -> None:
+async def test_chat_prefix_goes_to_its_worker(
+    router: RouterProcess,
+    vllm_pool: list[VllmServer],
+    http: httpx.AsyncClient,
+    rng: random.Random,
+    reference_tokenizer: ReferenceTokenizer,
+) -> None:
     """The same through /v1/chat/completions: the router's chat tokens match the engine's blocks."""
     for server in vllm_pool:
-        messages = [{"role": "system", "content": prompt_words(rng, 150)},
-                    {"role": "user", "content": prompt_words(rng, 20)}]
+        messages = [
+            {"role": "system", "content": prompt_words(rng, 150)},
+            {"role": "user", "content": prompt_words(rng, 20)},
+        ]
         tokens = reference_tokenizer.chat(messages)
         await chat(http, server.url, messages, max_tokens=8)
         await wait_for(lambda t=tokens, s=server: _holds(http, router, s.name, t), 30.0, what="chat prefix")
@@ -172,9 +203,13 @@ async def test_chat_prefix_goes_to_its_worker(router: RouterProcess, vllm_pool: 
         assert cached_of(answer) >= len(tokens) // BLOCK_SIZE * BLOCK_SIZE - BLOCK_SIZE > 0
 
 
-async def test_agentic_turns_reach_the_oracle(router: RouterProcess, vllm_pool: list[VllmServer],
-                                              http: httpx.AsyncClient, rng: random.Random,
-                                              reference_tokenizer: ReferenceTokenizer) -> None:
+async def test_agentic_turns_reach_the_oracle(
+    router: RouterProcess,
+    vllm_pool: list[VllmServer],
+    http: httpx.AsyncClient,
+    rng: random.Random,
+    reference_tokenizer: ReferenceTokenizer,
+) -> None:
     """Interleaved agent sessions (shared tool preamble, growing histories): per request, the cached
     tokens vLLM reports are within one block of the best any worker held just before it was sent."""
     await place_prefix(http, router, vllm_pool[0], reference_tokenizer, rng)  # index connected
@@ -191,15 +226,15 @@ async def test_agentic_turns_reach_the_oracle(router: RouterProcess, vllm_pool: 
             messages.append({"role": "user", "content": f"step {turn}: " + prompt_words(rng, 30)})
             await oracle.catch_up()
             best = oracle.best(reference_tokenizer.chat(messages))
-            answer, plan = await routed(http, router, {"messages": messages, "max_tokens": 16},
-                                        "/v1/chat/completions")
+            answer, plan = await routed(http, router, {"messages": messages, "max_tokens": 16}, "/v1/chat/completions")
             cached = cached_of(answer)
             requests += 1
             total_cached += cached
             total_oracle += best
             if cached < best - BLOCK_SIZE:
-                shortfalls.append((turn, i, plan["prefill"], cached, best, oracle.per_worker(
-                    reference_tokenizer.chat(messages))))
+                shortfalls.append(
+                    (turn, i, plan["prefill"], cached, best, oracle.per_worker(reference_tokenizer.chat(messages)))
+                )
             messages.append({"role": "assistant", "content": answer["choices"][0]["message"]["content"]})
     print(f"cached {total_cached} / oracle {total_oracle}")
     assert total_oracle > 0
@@ -207,9 +242,13 @@ async def test_agentic_turns_reach_the_oracle(router: RouterProcess, vllm_pool: 
     assert total_cached >= total_oracle - BLOCK_SIZE * requests
 
 
-async def test_router_restart_rebuilds_through_replay(router: RouterProcess, vllm_pool: list[VllmServer],
-                                                      http: httpx.AsyncClient, rng: random.Random,
-                                                      reference_tokenizer: ReferenceTokenizer) -> None:
+async def test_router_restart_rebuilds_through_replay(
+    router: RouterProcess,
+    vllm_pool: list[VllmServer],
+    http: httpx.AsyncClient,
+    rng: random.Random,
+    reference_tokenizer: ReferenceTokenizer,
+) -> None:
     """A router restarted mid-run learns, through the replay endpoint, what the engines cached before
     and while it was away."""
     prompts = {s.name: await place_prefix(http, router, s, reference_tokenizer, rng) for s in vllm_pool}
@@ -225,5 +264,8 @@ async def test_router_restart_rebuilds_through_replay(router: RouterProcess, vll
         await place_prefix(http, router, server, reference_tokenizer, rng)
         for prompt in (prompts[server.name], missed[server.name]):
             tokens = reference_tokenizer.completion(prompt)
-            await wait_for(lambda t=tokens, s=server: _holds(http, router, s.name, t), 15.0,
-                           what=f"{server.name}'s blocks rebuilt after the router restart")
+            await wait_for(
+                lambda t=tokens, s=server: _holds(http, router, s.name, t),
+                15.0,
+                what=f"{server.name}'s blocks rebuilt after the router restart",
+            )

@@ -33,8 +33,7 @@ PREFIX = "kvr-vllm-standalone"
 
 
 @pytest.fixture
-def standalone_indexer(vllm_pool: list[VllmServer], tiny_model: Path, tmp_path: Path,
-                       redis_url: str) -> Iterator[str]:
+def standalone_indexer(vllm_pool: list[VllmServer], tiny_model: Path, tmp_path: Path, redis_url: str) -> Iterator[str]:
     """``python -m kvroute.cli indexer --config ...`` with its admin port; yields that port's URL."""
     config = router_config(vllm_pool, tiny_model, free_port(), "round_robin")
     config["index"].update(backend="redis", redis_url=redis_url, redis_prefix=PREFIX)
@@ -43,9 +42,12 @@ def standalone_indexer(vllm_pool: list[VllmServer], tiny_model: Path, tmp_path: 
     port = free_port()
     log_path = tmp_path / "indexer.log"
     with log_path.open("ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "kvroute.cli", "indexer", "--config", str(path),
-                                 "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvroute.cli", "indexer", "--config", str(path), "--port", str(port)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -79,8 +81,10 @@ class ReaderPool(IndexedPool):
         result = await self.indexer.lookup_tokens(MODEL_NAME, tokens, cache_salt=cache_salt)
         match = result.matches.get(worker)
         reader = 0 if match is None else match.blocks
-        resp = await self.http.post(f"{self.admin}/admin/index/lookup",
-                                    json={"model": MODEL_NAME, "token_ids": tokens, "cache_salt": cache_salt})
+        resp = await self.http.post(
+            f"{self.admin}/admin/index/lookup",
+            json={"model": MODEL_NAME, "token_ids": tokens, "cache_salt": cache_salt},
+        )
         assert resp.status_code == 200, resp.text
         admin = next((row["blocks"] for row in resp.json()["matches"] if row["worker"] == worker), 0)
         assert admin == reader, f"the indexer's admin view ({admin}) and the Redis reader ({reader}) differ"
@@ -88,9 +92,13 @@ class ReaderPool(IndexedPool):
 
 
 @pytest.fixture
-async def reader(vllm_pool: list[VllmServer], standalone_indexer: str, redis_url: str,
-                 reference_tokenizer: ReferenceTokenizer, http: httpx.AsyncClient
-                 ) -> AsyncIterator[ReaderPool]:
+async def reader(
+    vllm_pool: list[VllmServer],
+    standalone_indexer: str,
+    redis_url: str,
+    reference_tokenizer: ReferenceTokenizer,
+    http: httpx.AsyncClient,
+) -> AsyncIterator[ReaderPool]:
     backend = RedisIndex(redis_url, prefix=PREFIX)
     pool = ReaderPool(vllm_pool, backend, reference_tokenizer)
     pool.indexer = KVIndexer(backend, block_sizes={MODEL_NAME: BLOCK_SIZE})
@@ -99,8 +107,9 @@ async def reader(vllm_pool: list[VllmServer], standalone_indexer: str, redis_url
     await backend.close()
 
 
-async def test_standalone_indexer_predicts_exactly(reader: ReaderPool, vllm_pool: list[VllmServer],
-                                                   http: httpx.AsyncClient, rng: random.Random) -> None:
+async def test_standalone_indexer_predicts_exactly(
+    reader: ReaderPool, vllm_pool: list[VllmServer], http: httpx.AsyncClient, rng: random.Random
+) -> None:
     for server in vllm_pool:
         await reader.sync(server, http, rng)  # the indexer is connected to this worker
     for server in vllm_pool:
@@ -113,22 +122,45 @@ async def test_standalone_indexer_predicts_exactly(reader: ReaderPool, vllm_pool
         await reader.probe(server, http, rng, prompt=system + " " + prompt_words(rng, 10))
         await reader.probe(server, http, rng, prompt=prompts[0] + " x")
         await reader.probe(server, http, rng, prompt=prompts[-1] + " y")
-        await reader.probe(server, http, rng, messages=[{"role": "system", "content": system},
-                                                        {"role": "user", "content": prompt_words(rng, 9)}])
-        await reader.probe(server, http, rng, messages=[{"role": "system", "content": system},
-                                                        {"role": "user", "content": prompt_words(rng, 9)}])
+        await reader.probe(
+            server,
+            http,
+            rng,
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": prompt_words(rng, 9)}],
+        )
+        await reader.probe(
+            server,
+            http,
+            rng,
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": prompt_words(rng, 9)}],
+        )
     reader.assert_all_exact()
     assert any(p.cached > 0 for p in reader.probes)
 
 
-async def test_router_replica_routes_by_the_shared_index(reader: ReaderPool, vllm_pool: list[VllmServer],
-                                                          tiny_model: Path, tmp_path: Path, redis_url: str,
-                                                          http: httpx.AsyncClient, rng: random.Random,
-                                                          reference_tokenizer: ReferenceTokenizer) -> None:
+async def test_router_replica_routes_by_the_shared_index(
+    reader: ReaderPool,
+    vllm_pool: list[VllmServer],
+    tiny_model: Path,
+    tmp_path: Path,
+    redis_url: str,
+    http: httpx.AsyncClient,
+    rng: random.Random,
+    reference_tokenizer: ReferenceTokenizer,
+) -> None:
     """kvroute serve with ``index.subscribe: false`` routes by what the stand-alone indexer wrote."""
-    replica = make_router(vllm_pool, tiny_model, tmp_path, index={
-        "backend": "redis", "redis_url": redis_url, "redis_prefix": PREFIX, "subscribe": False,
-        "events_bind": None})
+    replica = make_router(
+        vllm_pool,
+        tiny_model,
+        tmp_path,
+        index={
+            "backend": "redis",
+            "redis_url": redis_url,
+            "redis_prefix": PREFIX,
+            "subscribe": False,
+            "events_bind": None,
+        },
+    )
     replica.start()
     try:
         for server in [*vllm_pool, *reversed(vllm_pool)]:
@@ -138,8 +170,11 @@ async def test_router_replica_routes_by_the_shared_index(reader: ReaderPool, vll
             await complete(http, server.url, prompt)
             await reader.sync(server, http, rng)
             probe = prompt + " " + prompt_words(rng, 8)
-            resp = await http.post(f"{replica.url}/v1/completions", headers={"X-KVRoute-Debug": "1"},
-                                   json={"model": MODEL_NAME, "prompt": probe, "max_tokens": 1, "temperature": 0})
+            resp = await http.post(
+                f"{replica.url}/v1/completions",
+                headers={"X-KVRoute-Debug": "1"},
+                json={"model": MODEL_NAME, "prompt": probe, "max_tokens": 1, "temperature": 0},
+            )
             assert resp.status_code == 200, resp.text
             plan = json.loads(resp.headers["x-kvroute-plan"])
             assert plan["prefill"] == server.name, plan

@@ -44,8 +44,9 @@ def _answer(body: dict[str, Any], chat: bool) -> Answer:
     return Answer(int(usage["prompt_tokens"]), int(details.get("cached_tokens") or 0), text or "", body)
 
 
-async def complete(client: httpx.AsyncClient, base: str, prompt: str | list[int], max_tokens: int = 1,
-                   **extra: Any) -> Answer:
+async def complete(
+    client: httpx.AsyncClient, base: str, prompt: str | list[int], max_tokens: int = 1, **extra: Any
+) -> Answer:
     """One non-streaming /v1/completions call at temperature 0."""
     payload = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
     resp = await client.post(f"{base}/v1/completions", json=payload)
@@ -53,8 +54,9 @@ async def complete(client: httpx.AsyncClient, base: str, prompt: str | list[int]
     return _answer(resp.json(), chat=False)
 
 
-async def chat(client: httpx.AsyncClient, base: str, messages: list[dict[str, str]], max_tokens: int = 1,
-               **extra: Any) -> Answer:
+async def chat(
+    client: httpx.AsyncClient, base: str, messages: list[dict[str, str]], max_tokens: int = 1, **extra: Any
+) -> Answer:
     """One non-streaming /v1/chat/completions call at temperature 0."""
     payload = {"model": MODEL_NAME, "messages": messages, "max_tokens": max_tokens, "temperature": 0, **extra}
     resp = await client.post(f"{base}/v1/chat/completions", json=payload)
@@ -62,8 +64,13 @@ async def chat(client: httpx.AsyncClient, base: str, messages: list[dict[str, st
     return _answer(resp.json(), chat=True)
 
 
-async def engine_tokens(client: httpx.AsyncClient, server: VllmServer, *, prompt: str | None = None,
-                        messages: list[dict[str, str]] | None = None) -> list[int]:
+async def engine_tokens(
+    client: httpx.AsyncClient,
+    server: VllmServer,
+    *,
+    prompt: str | None = None,
+    messages: list[dict[str, str]] | None = None,
+) -> list[int]:
     """The token ids the engine uses, from its ``POST /tokenize``."""
     body: dict[str, Any] = {"model": MODEL_NAME}
     if messages is not None:
@@ -109,8 +116,9 @@ class ReferenceTokenizer:
         return self.tokenizer.encode(prompt, add_special_tokens=True).ids
 
     def render_chat(self, messages: list[dict[str, str]]) -> str:
-        return self.template.render(messages=messages, add_generation_prompt=True, bos_token=self.bos_token,
-                                    eos_token=self.eos_token)
+        return self.template.render(
+            messages=messages, add_generation_prompt=True, bos_token=self.bos_token, eos_token=self.eos_token
+        )
 
     def chat(self, messages: list[dict[str, str]]) -> list[int]:
         # The rendered text already holds the BOS: vLLM encodes chat prompts without special tokens.
