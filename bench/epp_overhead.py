@@ -271,7 +271,7 @@ def main() -> int:
         [
             sys.executable,
             "-m",
-            "kvroute.cli",
+            "kvroute.apps.cli",
             "sim",
             "--workers",
             "4",
@@ -326,7 +326,7 @@ def main() -> int:
                 [
                     sys.executable,
                     "-m",
-                    "kvroute.cli",
+                    "kvroute.apps.cli",
                     "epp",
                     "--config",
                     str(config_yaml),

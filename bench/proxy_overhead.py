@@ -153,7 +153,7 @@ def start_kvroute(client: str, upstream: str) -> Target:
     cmd = [
         sys.executable,
         "-m",
-        "kvroute.cli",
+        "kvroute.apps.cli",
         "serve",
         "--worker",
         upstream,

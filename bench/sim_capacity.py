@@ -108,7 +108,7 @@ def _run_sim(workers: int, base: int, preset: str, time_scale: float) -> tuple[s
         [
             sys.executable,
             "-m",
-            "kvroute.cli",
+            "kvroute.apps.cli",
             "sim",
             "--workers",
             str(workers),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from kvroute.indexer.tiers import Tier
+from kvroute.vocabulary import Tier
 
 _GPU, _CPU = int(Tier.GPU), int(Tier.CPU)
 

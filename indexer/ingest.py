@@ -16,7 +16,7 @@ from kvroute.indexer.backend import IndexOp
 from kvroute.indexer.bitsets import add_bits
 from kvroute.indexer.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, EventBatch
 from kvroute.indexer.keys import chain_keys, root_key
-from kvroute.indexer.tiers import Tier, tier_bit
+from kvroute.vocabulary import Tier, tier_bit
 
 
 @dataclass(slots=True)

@@ -1,7 +1,7 @@
 """The embedded index: plain dicts, one big-int bit set per block.
 
 Each (model, worker) gets a *slot*; a block's value is an int holding 8 bits per slot (the tier bits
-of :mod:`kvroute.indexer.tiers`). A lookup then walks the chain with a handful of C-level int
+of :mod:`kvroute.vocabulary`). A lookup then walks the chain with a handful of C-level int
 operations per block (mask by the still-matching workers, compare with the previous block) and only
 decodes per-worker tier counts where the set of holders or their tiers change, so a 2,048-block
 prompt over 64 workers stays well under a millisecond. A per-worker reverse map makes purges cost

@@ -23,7 +23,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from kvroute.indexer.backend import IndexBackend, IndexOp, IndexUnavailable, WorkerIndexStats, WorkerMatch
 from kvroute.indexer.redis_lua import LOOKUP, WRITE
-from kvroute.indexer.tiers import Tier
+from kvroute.vocabulary import Tier
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError

@@ -23,7 +23,7 @@ import zmq
 import zmq.asyncio
 from kvroute.indexer.events import REPLAY_END_SEQ, encode_seq
 from kvroute.indexer.service import KVIndexer
-from kvroute.indexer.tasks import cancel_and_wait, raise_if_cancel_swallowed
+from kvroute.tasks import cancel_and_wait, raise_if_cancel_swallowed
 from zmq.utils.monitor import parse_monitor_message
 
 log = logging.getLogger("kvroute.indexer.subscriber")
@@ -173,7 +173,7 @@ class EventSubscriber:
         self._watchdog = asyncio.create_task(self._watch(), name="kv-events-watchdog")
 
     async def stop(self) -> None:
-        """Stop every task (bounded, see :mod:`kvroute.indexer.tasks`) and close the bound socket."""
+        """Stop every task (bounded, see :mod:`kvroute.tasks`) and close the bound socket."""
         self._running = False
         tasks = [t for ts in self._tasks.values() for t in ts]
         tasks += [t for t in (self._bound_task, self._watchdog) if t is not None]

@@ -51,7 +51,7 @@ class FleetSpec:
         argv = [
             sys.executable,
             "-m",
-            "kvroute.cli",
+            "kvroute.apps.cli",
             "sim",
             "--workers",
             str(self.workers),
@@ -161,7 +161,7 @@ def run_policy(
         serve = [
             sys.executable,
             "-m",
-            "kvroute.cli",
+            "kvroute.apps.cli",
             "serve",
             "--config",
             str(router_yaml),

@@ -11,11 +11,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 from kvroute.indexer.backend import WorkerMatch
-
-Role = Literal["both", "prefill", "decode"]
+from kvroute.vocabulary import KVProtocol, Role
 
 
 @dataclass(slots=True, frozen=True)
@@ -162,7 +161,7 @@ class PoolContext:
     config, and the pool's KV-transfer protocol (which plans can be carried out at all)."""
 
     models: dict[str, dict[str, float]] = field(default_factory=dict)
-    kv_protocol: Literal["none", "p2p", "nixl"] = "none"
+    kv_protocol: KVProtocol = "none"
     kv_recompute_threshold: int = 64
     #: The KV link between workers, when the config states it (None: the policy's own default).
     link_bytes_per_s: float | None = None

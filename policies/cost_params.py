@@ -7,9 +7,9 @@ the prefill speed and service time are calibrated online anyway. Units are in th
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal
+from typing import Any
 
-KvProtocol = Literal["none", "p2p", "nixl"]
+from kvroute.vocabulary import KVProtocol
 
 
 @dataclass(slots=True, frozen=True)
@@ -80,7 +80,7 @@ class CostParams:
     decode_queue_s_per_request: float = 0.001
     #: The pool's protocol (router config pool.kv_protocol): P2P sources need "p2p",
     #: conversation reuse "nixl".
-    kv_protocol: KvProtocol = "none"
+    kv_protocol: KVProtocol = "none"
     #: Conversation reuse only pays when at least this many tokens are reusable (vLLM's default: 64).
     kv_recompute_threshold: int = 64
     #: How many peers (those holding the most of the prefix) are weighed as kv sources per prefill worker.

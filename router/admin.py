@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from kvroute.router.config import WorkerConfig
+from kvroute.config import WorkerConfig
 from kvroute.router.errors import ApiError, api_error_response, error_response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+from kvroute.config import RouterConfig
 from kvroute.policies import Policy, create_policy
 from kvroute.router.admin import build_admin_app
-from kvroute.router.config import RouterConfig
 from kvroute.router.errors import ApiError, api_error_response, error_response, model_not_found
 from kvroute.router.forwarding import Forwarder, upstream_headers
 from kvroute.router.metrics import CONTENT_TYPE, RouterMetrics

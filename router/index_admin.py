@@ -16,7 +16,7 @@ from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from fastapi.responses import HTMLResponse
 from kvroute.indexer.backend import IndexUnavailable
 from kvroute.indexer.service import KVIndexer
-from kvroute.indexer.tiers import Tier
+from kvroute.vocabulary import Tier
 from pydantic import BaseModel, Field, model_validator
 
 #: (model, prompt, messages) -> token ids, exactly as the engine will see them.

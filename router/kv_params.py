@@ -24,8 +24,8 @@ from typing import Any, Literal
 
 from kvroute.policies.base import RoutePlan, WorkerView
 from kvroute.policies.tier_policy import validate_tiers
+from kvroute.vocabulary import KVProtocol
 
-Protocol = Literal["none", "p2p", "nixl"]
 LegKind = Literal["local", "prefill", "decode"]
 
 P2P_KEYS = ("remote_decoder", "remote_prefiller", "remote_kv_source")
@@ -201,7 +201,7 @@ class Flow:
     """The legs of one request, in order. For ``nixl`` the decode leg is built from the prefill answer."""
 
     request_id: str
-    protocol: Protocol
+    protocol: KVProtocol
     plan: RoutePlan
     client_body: dict[str, Any]
     prefill: Leg | None
@@ -232,7 +232,7 @@ def build_flow(
     plan: RoutePlan,
     workers: Mapping[str, WorkerView],
     *,
-    protocol: Protocol,
+    protocol: KVProtocol,
     request_id: str,
     conversation_params: Mapping[str, Any] | None = None,
     id_factory: Callable[[], str] = new_kv_request_id,

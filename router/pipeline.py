@@ -18,8 +18,8 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from kvroute.config import RouterConfig
 from kvroute.policies.base import NoWorkerError, Policy, RouteOutcome, RoutePlan, RouteRequest
-from kvroute.router.config import RouterConfig
 from kvroute.router.errors import ApiError, no_healthy_worker
 from kvroute.router.forwarding import Forwarder, Result
 from kvroute.router.metrics import RouterMetrics

@@ -16,8 +16,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import orjson
+from kvroute.config import WorkerConfig
 from kvroute.policies.base import WorkerView
-from kvroute.router.config import WorkerConfig
 from kvroute.router.metrics import RouterMetrics
 from kvroute.router.transport import Transport
 from prometheus_client.parser import text_string_to_metric_families

@@ -16,21 +16,21 @@ import logging
 from typing import Any
 
 import httpx
+from kvroute.config import RouterConfig
 from kvroute.indexer.backend import IndexBackend
 from kvroute.indexer.memory import MemoryIndex
 from kvroute.indexer.service import KVIndexer
 from kvroute.indexer.subscriber import EventSubscriber, WorkerSpec
-from kvroute.indexer.tasks import cancel_and_wait, raise_if_cancel_swallowed
 from kvroute.policies import create_policy
 from kvroute.policies.base import PoolContext
 from kvroute.router.app import RouterState, create_app
-from kvroute.router.config import RouterConfig
 from kvroute.router.conversations import ConversationStore, MemoryConversationStore, RedisConversationStore
 from kvroute.router.explain import explain_router
 from kvroute.router.index_admin import index_admin_router
 from kvroute.router.kv_metrics import KVRouteMetrics
 from kvroute.router.kv_pipeline import KVParts, KVPipeline
 from kvroute.router.tokens import Tokenizers
+from kvroute.tasks import cancel_and_wait, raise_if_cancel_swallowed
 from starlette.applications import Starlette
 
 log = logging.getLogger("kvroute.server")

@@ -14,9 +14,10 @@ from typing import Any
 
 import zmq
 import zmq.asyncio
-from kvroute.sim.options import Role, WorkerOptions
+from kvroute.sim.options import WorkerOptions
 from kvroute.sim.presets import Preset, get_preset
 from kvroute.sim.worker import SimWorker
+from kvroute.vocabulary import Role
 
 #: With a base port P, worker i uses P+4i (HTTP), +1 (KV events), +2 (replay), +3 (P2P control).
 PORTS_PER_WORKER = 4

@@ -6,8 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from kvroute.sim.presets import Preset, get_preset
-
-Role = Literal["both", "prefill", "decode"]
+from kvroute.vocabulary import Role
 
 
 @dataclass(slots=True)

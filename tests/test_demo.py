@@ -13,7 +13,7 @@ def test_demo_compares_policies_and_draws_a_chart(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "kvroute.cli",
+            "kvroute.apps.cli",
             "demo",
             "--policies",
             "round_robin,kvaware",

@@ -14,8 +14,8 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf import struct_pb2
-from kvroute.router.config import RouterConfig
-from kvroute.router.epp import attach_epp
+from kvroute.apps.epp import attach_epp
+from kvroute.config import RouterConfig
 from kvroute.router.server import build_app
 from kvroute.sim.fleet import SimFleet
 

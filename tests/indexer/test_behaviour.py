@@ -6,7 +6,7 @@ import pytest
 from kvroute.indexer.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvroute.indexer.keys import request_keys
 from kvroute.indexer.service import KVIndexer, entity_id, split_entity
-from kvroute.indexer.tiers import Tier
+from kvroute.vocabulary import Tier
 
 from .fakevllm import Chain, frames
 

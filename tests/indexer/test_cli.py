@@ -27,7 +27,7 @@ def start(args: list[str]) -> subprocess.Popen[bytes]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env = {k: v for k, v in env.items() if not k.startswith("KVROUTE_")}
     return subprocess.Popen(
-        [sys.executable, "-m", "kvroute.cli", "indexer", *args],
+        [sys.executable, "-m", "kvroute.apps.cli", "indexer", *args],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -116,9 +116,9 @@ def test_bad_configuration_exits_2(tmp_path: Path, config: dict, message: str) -
 
 
 def test_build_from_config_reader_and_writer() -> None:
-    from kvroute.indexer.cli import build_from_config
+    from kvroute.apps.indexer import build_from_config
+    from kvroute.config import RouterConfig
     from kvroute.indexer.memory import MemoryIndex
-    from kvroute.router.config import RouterConfig
 
     config = RouterConfig.model_validate(
         {
@@ -147,9 +147,9 @@ def test_build_from_config_reader_and_writer() -> None:
 async def test_workers_without_models_are_discovered() -> None:
     import uvicorn
     from fastapi import FastAPI
-    from kvroute.indexer.cli import add_discovered_workers, build_from_config
+    from kvroute.apps.indexer import add_discovered_workers, build_from_config
+    from kvroute.config import RouterConfig
     from kvroute.indexer.memory import MemoryIndex
-    from kvroute.router.config import RouterConfig
 
     app = FastAPI()
 

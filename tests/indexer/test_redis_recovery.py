@@ -36,7 +36,7 @@ def own_redis():  # type: ignore[no-untyped-def]
 # loop iteration where its Redis write had just been sent, Python 3.11's asyncio.wait_for (redis-py's send
 # path) dropped the cancel, and the loop went back to waiting for ZMQ messages while stop() awaited it.
 # Reproduced deterministically by test_stop_in_the_iteration_a_redis_command_was_sent below; fixed in
-# kvroute.indexer.tasks. The bound stays so that any new hang fails with a traceback.
+# kvroute.tasks. The bound stays so that any new hang fails with a traceback.
 async def test_redis_restart_mid_run(own_redis: RedisServer, zctx: zmq.asyncio.Context) -> None:
     async with asyncio.timeout(90):
         await _redis_restart_mid_run(own_redis, zctx)

@@ -1,4 +1,4 @@
-"""Stopping the subscriber's tasks when an await dropped their cancellation (see kvroute.indexer.tasks).
+"""Stopping the subscriber's tasks when an await dropped their cancellation (see kvroute.tasks).
 
 On Python 3.11, ``asyncio.wait_for`` (redis-py sends every command through it) drops a cancellation
 that lands as the wrapped operation completes. The backends below drop one the same way, on every
@@ -17,7 +17,7 @@ from kvroute.indexer.backend import IndexOp
 from kvroute.indexer.memory import MemoryIndex
 from kvroute.indexer.service import KVIndexer
 from kvroute.indexer.subscriber import EventSubscriber, WorkerSpec
-from kvroute.indexer.tasks import cancel_and_wait, raise_if_cancel_swallowed
+from kvroute.tasks import cancel_and_wait, raise_if_cancel_swallowed
 
 from .fakevllm import Chain, Publisher, eventually
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import httpx
 import pytest
-from kvroute.router.config import RouterConfig
+from kvroute.config import RouterConfig
 from kvroute.router.server import build_app
 from kvroute.sim.fleet import SimFleet
 

@@ -8,8 +8,8 @@ from typing import Any
 
 import httpx
 import orjson
+from kvroute.config import RouterConfig
 from kvroute.policies.base import Policy, RoutePlan, RouteRequest, WorkerView
-from kvroute.router.config import RouterConfig
 from kvroute.router.server import build_app
 
 from tests.kv.conftest import eventually, routed_fleet, words

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import httpx
 import orjson
+from kvroute.config import RouterConfig
 from kvroute.indexer.redis_index import RedisIndex
 from kvroute.indexer.service import KVIndexer
 from kvroute.indexer.subscriber import EventSubscriber, WorkerSpec
-from kvroute.router.config import RouterConfig
 from kvroute.router.server import build_app
 from kvroute.sim.fleet import SimFleet
 

@@ -8,9 +8,9 @@ from typing import Any
 
 import httpx
 import pytest
+from kvroute.config import RouterConfig
 from kvroute.policies import Policy
 from kvroute.router.app import create_app
-from kvroute.router.config import RouterConfig
 
 from tests.router.upstream import FakeWorker, serve, serve_worker
 

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-from kvroute.cli import main
-from kvroute.router.cli import overrides_from
+from kvroute.apps.cli import main
+from kvroute.apps.serve import overrides_from
 
 from tests.router.upstream import FakeWorker, free_port, serve_worker
 
-KVROUTE = [sys.executable, "-m", "kvroute.cli"]
+KVROUTE = [sys.executable, "-m", "kvroute.apps.cli"]
 
 
 def test_check_prints_the_merged_config(
@@ -131,7 +131,7 @@ async def test_serve_subprocess_end_to_end() -> None:
 
 def test_sample_deploy_configs_are_valid() -> None:
     import yaml
-    from kvroute.router.config import RouterConfig, load_config
+    from kvroute.config import RouterConfig, load_config
 
     root = Path(__file__).resolve().parents[2] / "deploy"
     config = load_config(root / "kvroute.yaml", environ={})

@@ -7,11 +7,11 @@ from collections.abc import AsyncIterator, Sequence
 
 import httpx
 from fastapi import APIRouter, Depends, Request
+from kvroute.config import RouterConfig
 from kvroute.policies import Policy, RoutePlan, RouteRequest, WorkerView
 from kvroute.policies.base import RouteOutcome
 from kvroute.router.admin import require_admin
 from kvroute.router.app import create_app
-from kvroute.router.config import RouterConfig
 from kvroute.router.pipeline import AggregatedExecutor, Pipeline, RequestContext
 
 from tests.router.upstream import FakeWorker, serve, serve_worker

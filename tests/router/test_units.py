@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import orjson
-from kvroute.router.config import WorkerConfig
+from kvroute.config import WorkerConfig
 from kvroute.router.forwarding import UsageSniffer, response_headers, upstream_headers, usage_of
 from kvroute.router.metrics import RouterMetrics
 from kvroute.router.registry import WorkerRegistry, parse_vllm_metrics

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from kvroute.config import RouterConfig
 from kvroute.policies.cost import KvAwarePolicy
-from kvroute.router.config import RouterConfig
 from kvroute.router.server import pool_context
 
 

@@ -12,8 +12,8 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from kvroute.router.config import RouterConfig
-from kvroute.sim.cli import add_parser
+from kvroute.apps.sim import add_parser
+from kvroute.config import RouterConfig
 from kvroute.sim.replay import percentile, replay
 from kvroute.sim.traces import agentic_trace, chat_trace, make_trace, mixed_trace
 
@@ -45,7 +45,7 @@ def test_kvroute_sim_process_prints_config_and_serves(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "kvroute.cli",
+            "kvroute.apps.cli",
             "sim",
             "--workers",
             "2",

@@ -64,7 +64,7 @@ class RouterProcess:
     def start(self) -> None:
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvroute.cli", "serve", "--config", str(self.config_path)],
+            [sys.executable, "-m", "kvroute.apps.cli", "serve", "--config", str(self.config_path)],
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,

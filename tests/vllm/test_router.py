@@ -1,6 +1,6 @@
 """kvroute serve + the kvaware policy in front of real vLLM: prefix affinity and oracle-level hits.
 
-The router is started as a user would (``python -m kvroute.cli serve --config``), with debug headers
+The router is started as a user would (``python -m kvroute.apps.cli serve --config``), with debug headers
 on so each answer names the chosen worker (``X-KVRoute-Plan``). The oracle is the tier's own mirror
 of every engine's cache (:mod:`tests.vllm.mirror`), not kvroute's index.
 """

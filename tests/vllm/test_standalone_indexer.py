@@ -34,7 +34,7 @@ PREFIX = "kvr-vllm-standalone"
 
 @pytest.fixture
 def standalone_indexer(vllm_pool: list[VllmServer], tiny_model: Path, tmp_path: Path, redis_url: str) -> Iterator[str]:
-    """``python -m kvroute.cli indexer --config ...`` with its admin port; yields that port's URL."""
+    """``python -m kvroute.apps.cli indexer --config ...`` with its admin port; yields that port's URL."""
     config = router_config(vllm_pool, tiny_model, free_port(), "round_robin")
     config["index"].update(backend="redis", redis_url=redis_url, redis_prefix=PREFIX)
     path = tmp_path / "indexer.yaml"
@@ -43,7 +43,7 @@ def standalone_indexer(vllm_pool: list[VllmServer], tiny_model: Path, tmp_path: 
     log_path = tmp_path / "indexer.log"
     with log_path.open("ab") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "kvroute.cli", "indexer", "--config", str(path), "--port", str(port)],
+            [sys.executable, "-m", "kvroute.apps.cli", "indexer", "--config", str(path), "--port", str(port)],
             stdout=log,
             stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},

@@ -59,7 +59,7 @@ def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
 
 def load_checked(args: argparse.Namespace, prog: str) -> Any:
     """The validated RouterConfig, or an exit code (2: invalid) after printing why."""
-    from kvroute.router.config import ConfigError, load_config
+    from kvroute.config import ConfigError, load_config
 
     try:
         config = load_config(args.config, overrides_from(args))

@@ -13,9 +13,8 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
+from kvroute.vocabulary import KVProtocol, Role
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-
-Role = Literal["both", "prefill", "decode"]
 
 
 class ConfigError(ValueError):
@@ -101,7 +100,7 @@ class IndexConfig(_Strict):
 class PoolConfig(_Strict):
     """How requests are carried out on the pool's KV-transfer protocol."""
 
-    kv_protocol: Literal["none", "p2p", "nixl"] = Field(
+    kv_protocol: KVProtocol = Field(
         default="none",
         description="none: aggregated only; p2p: vLLM>=0.27 offloading tier keys; nixl: two-leg pull P/D",
     )

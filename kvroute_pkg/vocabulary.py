@@ -1,11 +1,20 @@
-"""Where a cached block sits: medium (GPU / CPU / STORAGE) and locality (LOCAL / REMOTE) as bits.
+"""kvroute's shared vocabulary: the words every layer speaks, defined once, below every layer.
 
-One worker can hold the same block in several places at once, so a block's location is a bit set.
+* :data:`Role` — what a worker does in a pool (both, prefill-only, decode-only).
+* :data:`KVProtocol` — how KV cache moves between workers (none, vLLM's P2P offloading tier, NixlConnector P/D).
+* :class:`Tier` — where a cached block sits: medium (GPU / CPU / STORAGE) and locality (LOCAL / REMOTE) as
+  bits. One worker can hold the same block in several places at once, so a block's location is a bit set.
+
+Config, indexer, policies, router and sim all import from here; this module imports nothing of kvroute.
 """
 
 from __future__ import annotations
 
 from enum import IntFlag
+from typing import Literal
+
+Role = Literal["both", "prefill", "decode"]
+KVProtocol = Literal["none", "p2p", "nixl"]
 
 
 class Tier(IntFlag):

@@ -138,7 +138,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvroute.router.config import ConfigError, load_config
+    from kvroute.config import ConfigError, load_config
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     index_over = {

@@ -13,11 +13,11 @@ import sys
 
 #: subcommand -> module providing add_parser()
 SUBCOMMANDS = {
-    "serve": "kvroute.router.cli",
-    "indexer": "kvroute.indexer.cli",
-    "sim": "kvroute.sim.cli",
-    "demo": "kvroute.demo",
-    "epp": "kvroute.router.epp",
+    "serve": "kvroute.apps.serve",
+    "indexer": "kvroute.apps.indexer",
+    "sim": "kvroute.apps.sim",
+    "demo": "kvroute.apps.demo",
+    "epp": "kvroute.apps.epp",
 }
 
 

@@ -14,7 +14,7 @@ import asyncio
 import logging
 from typing import Any
 
-from kvroute.router.cli import add_common_arguments, run_router
+from kvroute.apps.serve import add_common_arguments, run_router
 
 log = logging.getLogger("kvroute.epp")
 
@@ -86,7 +86,7 @@ class GrpcEpp:
 
         serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
         await health.set("liveness", serving)
-        from kvroute.indexer.tasks import raise_if_cancel_swallowed
+        from kvroute.tasks import raise_if_cancel_swallowed
 
         while True:
             raise_if_cancel_swallowed()
@@ -101,7 +101,7 @@ class GrpcEpp:
                 log.exception("resolving worker addresses failed")
 
     async def stop(self, _: Any = None) -> None:
-        from kvroute.indexer.tasks import cancel_and_wait
+        from kvroute.tasks import cancel_and_wait
 
         if self._health_task is not None:
             await cancel_and_wait([self._health_task])  # bounded, even if an await dropped the cancel
