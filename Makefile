@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast test-vllm lint bench install redis-server clean
+.PHONY: demo test test-fast test-vllm lint typecheck bench install redis-server clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -37,8 +37,19 @@ test-fast: install redis-server
 test-vllm: install
 	$(BIN)/python -m pytest -q -m vllm
 
-lint: install
+lint: install typecheck
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+# mypy --strict over the library as the installed `kvroute` namespace: the folders are laid out under
+# build/typecheck/kvroute (symlinks) the way pyproject's package-dir maps them. PKG=kvroute.indexer narrows it.
+PKG ?= kvroute
+TYPECHECK := build/typecheck
+typecheck: install
+	@rm -rf $(TYPECHECK) && mkdir -p $(TYPECHECK)/kvroute
+	@for f in kvroute_pkg/*; do ln -s "$(CURDIR)/$$f" $(TYPECHECK)/kvroute/; done
+	@for d in router indexer policies sim; do ln -s "$(CURDIR)/$$d" $(TYPECHECK)/kvroute/$$d; done
+	cd $(TYPECHECK) && "$(CURDIR)/$(BIN)/mypy" --config-file "$(CURDIR)/pyproject.toml" -p $(PKG)
 
 bench: install
 	$(BIN)/python bench/proxy_overhead.py
