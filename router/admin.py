@@ -1,29 +1,27 @@
 """Admin REST (FastAPI, so operators get an OpenAPI page at ``/admin/docs``): the worker list, adding and
 removing workers at run time. Protected by a bearer token when ``admin_token`` is configured.
 
-Other admin parts (index inspection, route explain) are FastAPI ``APIRouter``s passed to
-:func:`build_admin_app`; they can depend on :func:`require_admin` and read ``request.app.state.kvroute``.
+The index inspection and route explain parts are FastAPI ``APIRouter``s the composition root passes to
+:func:`build_admin_app`; they depend on :func:`require_admin` and read the state with :func:`state_of`.
 """
 
 from __future__ import annotations
 
 import hmac
-from typing import TYPE_CHECKING, Any
+from typing import Any, cast
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from kvroute.config import WorkerConfig
 from kvroute.router.errors import ApiError, api_error_response, error_response
+from kvroute.router.state import RouterState
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-if TYPE_CHECKING:
-    from kvroute.router.app import RouterState
-
 
 def state_of(request: Request) -> RouterState:
-    return request.app.state.kvroute
+    return cast(RouterState, request.app.state.kvroute)
 
 
 async def require_admin(request: Request) -> None:

@@ -1,15 +1,19 @@
-"""``POST /admin/route/explain``: a dry run of the routing decision, every candidate with its costs."""
+"""``POST /admin/route/explain``: a dry run of the routing decision, every candidate with its costs.
+
+The body goes through the same :func:`~kvroute.router.requests.parse_request` and
+:meth:`~kvroute.router.flow.RequestFlow.decide` as a real request, with ``dry_run``: the policy's
+``explain`` changes no state, and the conversation store's single-use entry is not taken.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
+import orjson
 from fastapi import APIRouter, Depends, Request
-from kvroute.policies.base import NoWorkerError
 from kvroute.router.admin import require_admin, state_of
-from kvroute.router.errors import ApiError, model_not_found, no_healthy_worker
-from kvroute.router.parsing import check_generation
-from kvroute.router.pipeline import RequestContext
+from kvroute.router.errors import ApiError
+from kvroute.router.requests import CHAT, COMPLETIONS, parse_request
 from pydantic import BaseModel, ConfigDict
 
 
@@ -33,27 +37,21 @@ def explain_router() -> APIRouter:
     async def explain(body: ExplainBody, request: Request) -> dict[str, Any]:
         state = state_of(request)
         data = body.model_dump(exclude_none=True)
-        kind = "chat" if "messages" in data else "completion"
         if "prompt" not in data and "messages" not in data:
             raise ApiError(400, "give `prompt` or `messages`", "missing_prompt")
-        model, _ = check_generation(data, kind)
-        if not state.registry.knows_model(model):
-            raise model_not_found(model)
-        views = state.registry.views(model)
-        if not views:
-            raise no_healthy_worker(model)
-        route = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
-        ctx = RequestContext("explain", "POST", route, route, [], b"", data, model, False)
-        ctx.extra["dry_run"] = True
-        pipeline = state.pipeline
-        facts = await pipeline.gather_facts(ctx, pipeline.policy)
-        dry_run = getattr(pipeline.policy, "explain", None)
-        try:
-            plan = dry_run(facts, views) if dry_run is not None else pipeline.policy.choose(facts, views)
-        except NoWorkerError as exc:
-            raise ApiError(503, str(exc), "no_healthy_worker") from None
+        path = CHAT if "messages" in data else COMPLETIONS
+        parsed = parse_request(
+            "POST",
+            path,
+            request.scope["headers"],
+            orjson.dumps(data),
+            client_kv_params=state.config.pool.client_kv_params,
+            request_id="explain",
+        )
+        decision = await state.flow.decide(parsed, dry_run=True)
+        facts = decision.facts.route
         return {
-            "policy": pipeline.policy.name,
+            "policy": state.policy.name,
             "facts": {
                 "prompt_tokens": facts.prompt_tokens,
                 "block_size": facts.block_size,
@@ -65,9 +63,9 @@ def explain_router() -> APIRouter:
             },
             "workers": [
                 {"id": v.id, "role": v.role, "load": v.load, "inflight": v.inflight, "kv_usage": v.kv_usage}
-                for v in views
+                for v in state.registry.views(parsed.model)
             ],
-            "plan": plan.to_dict(),
+            "plan": decision.plan.to_dict(),
         }
 
     return router

@@ -7,7 +7,7 @@ header *and* as dynamic metadata ``envoy.lb/x-gateway-destination-endpoint``, on
 the ``envoy.lb.subset_hint`` metadata when Envoy sends one, and an ImmediateResponse (OpenAI-style JSON
 error) when the request cannot be routed.
 
-The decision is the router's own: the same :class:`~kvroute.router.kv_pipeline.KVPipeline` (tokens, index
+The decision is the router's own: the same :class:`~kvroute.router.flow.RequestFlow` (tokens, index
 lookup, policy) and the same body rewriting (client ``kv_transfer_params`` stripped, router-chosen ones
 injected). Only single-leg plans can be carried out by one endpoint pick: workers with a prefill-only or
 decode-only role are never candidates, so P/D plans (two legs) are not produced (docs/epp.md).
@@ -27,22 +27,17 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-import orjson
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
-from kvroute.policies.base import RoutePlan
-from kvroute.router.app import CONTROL_PATHS, RouterState
-from kvroute.router.errors import ApiError, error_body, model_not_found
+from kvroute.router.errors import ApiError, error_body
+from kvroute.router.flow import Decision
 from kvroute.router.forwarding import Result, UsageSniffer, usage_of
-from kvroute.router.kv_params import KVParamsError, build_flow
-from kvroute.router.kv_pipeline import GENERATION_ROUTES, FlowExecutor, KVPipeline
-from kvroute.router.parsing import check_generation, parse_json_object, sniff_passthrough
-from kvroute.router.pipeline import RequestContext
-from starlette.requests import Request
+from kvroute.router.requests import GENERATION_ROUTES, parse_request
+from kvroute.router.state import RouterState
 
 log = logging.getLogger("kvroute.epp")
 
@@ -57,7 +52,7 @@ FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 BUFFERED = processing_mode_pb2.ProcessingMode.BUFFERED
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
-#: Request headers that describe the HTTP/2 exchange, not the request: never given to the pipeline.
+#: Request headers that describe the HTTP/2 exchange, not the request: never given to the flow.
 _PSEUDO_OR_HOP = frozenset({"content-length", "transfer-encoding", "connection", "keep-alive", "te", "upgrade", "host"})
 
 
@@ -150,8 +145,7 @@ class EppOptions:
 class Pick:
     """A routed request: where it goes and the body it goes with."""
 
-    ctx: RequestContext
-    plan: RoutePlan
+    decision: Decision
     worker_id: str
     endpoint: str
     body: bytes
@@ -183,12 +177,6 @@ class Exchange:
     ttfb_s: float | None = None
     served: str | None = None
     finished: bool = False
-
-    @property
-    def pipeline(self) -> KVPipeline:
-        pipeline = self.state.pipeline
-        assert isinstance(pipeline, KVPipeline)
-        return pipeline
 
     # ------------------------------------------------------------------ dispatch
 
@@ -315,43 +303,22 @@ class Exchange:
         return [pb.ProcessingResponse(request_body=pb.BodyResponse(response=common), dynamic_metadata=meta)]
 
     async def choose(self, body: bytes) -> Pick:
-        """Parse, decide with the router's pipeline, rewrite the body: what ``kvroute serve`` does before it
-        forwards, minus the forwarding."""
-        state = self.state
+        """What ``kvroute serve`` does before it forwards, minus the forwarding: parse, decide, rewrite."""
         method = self.headers.get(":method", "POST")
         path = self.headers.get(":path", "/")
-        bare = path.split("?", 1)[0]
-        if bare.rstrip("/") in CONTROL_PATHS:
-            raise ApiError(
-                404,
-                f"{bare} is an engine-control endpoint and is not routed; call the worker directly",
-                "not_proxied",
-                "not_found_error",
-            )
-        data: dict[str, Any] | None = None
-        model: str | None = None
-        stream = False
-        if bare in GENERATION_ROUTES:
-            data = parse_json_object(body)
-            model, stream = check_generation(data, "chat" if bare.endswith("chat/completions") else "completion")
-            route = bare
-        else:
-            route = "other"
-            data, model, stream = sniff_passthrough(body)
-        if model and not state.registry.knows_model(model):
-            raise model_not_found(model)
-        headers = [
-            ("x-request-id", self.request_id),
-            *((k.decode("latin-1"), v.decode("latin-1")) for k, v in self.raw_headers if k != b"x-request-id"),
-        ]
-        scope = {"type": "http", "method": method, "path": bare, "headers": self.raw_headers, "query_string": b""}
-        ctx = RequestContext(
-            self.request_id, method, path, route, headers, body, data, model, stream, http=Request(scope)
+        request = parse_request(
+            method,
+            path,
+            self.raw_headers,
+            body,
+            client_kv_params=self.state.config.pool.client_kv_params,
+            request_id=self.request_id,
         )
+        flow = self.state.flow
         try:
-            plan = await self.pipeline.decide(ctx, exclude=self._excluded())
+            decision = await flow.decide(request, exclude=self._excluded())
         except ApiError as exc:
-            split = [v.id for v in state.registry.views(model) if v.role != "both"]
+            split = [v.id for v in self.state.registry.views(request.model) if v.role != "both"]
             if exc.code == "no_healthy_worker" and split:
                 raise ApiError(
                     503,
@@ -361,7 +328,23 @@ class Exchange:
                     "unroutable_plan",
                 ) from None
             raise
-        return self._carry_out(ctx, plan, body)
+        if decision.plan.disaggregated:  # cannot happen with single-role candidates; refuse, never half-do it
+            raise ApiError(
+                503,
+                "the routing plan needs two legs (prefill/decode), which one endpoint pick cannot carry out",
+                "unroutable_plan",
+            )
+        delivery = flow.rewrite(decision)
+        if not delivery.single_leg:
+            raise ApiError(
+                503, "the routing plan needs two legs, which one endpoint pick cannot carry out", "unroutable_plan"
+            )
+        worker = self.state.registry.get(delivery.worker_id)
+        if worker is None:
+            raise ApiError(503, f"worker {delivery.worker_id} left the pool", "no_healthy_worker")
+        return Pick(
+            decision, delivery.worker_id, self.endpoints.of(worker.url), delivery.body, delivery.body is not body
+        )
 
     def _excluded(self) -> set[str]:
         """Workers this pick must not name: unable to serve a request alone (a prefill-only or decode-only
@@ -373,40 +356,6 @@ class Exchange:
             if w.config.role != "both" or (allowed is not None and self.endpoints.of(w.url) not in allowed)
         }
 
-    def _carry_out(self, ctx: RequestContext, plan: RoutePlan, original: bytes) -> Pick:
-        pipeline = self.pipeline
-        worker_id, body = plan.prefill, ctx.body
-        if plan.disaggregated:  # cannot happen with single-role candidates; refuse rather than half-do it
-            raise ApiError(
-                503,
-                "the routing plan needs two legs (prefill/decode), which one endpoint pick cannot carry out",
-                "unroutable_plan",
-            )
-        if isinstance(pipeline.executor_for(ctx, plan), FlowExecutor):
-            assert ctx.json is not None
-            views = {v.id: v for v in pipeline.registry.views(ctx.model)}
-            try:
-                flow = build_flow(
-                    ctx.json,
-                    plan,
-                    views,
-                    protocol=pipeline.kv.protocol,  # type: ignore[arg-type]
-                    request_id=ctx.request_id,
-                )
-            except KVParamsError as exc:
-                raise ApiError(
-                    503, f"the routing plan cannot be carried out on this pool: {exc}", "unroutable_plan"
-                ) from None
-            if flow.prefill is not None or flow.final is None:
-                raise ApiError(
-                    503, "the routing plan needs two legs, which one endpoint pick cannot carry out", "unroutable_plan"
-                )
-            worker_id, body = flow.final.worker_id, orjson.dumps(flow.final.body)
-        worker = pipeline.registry.get(worker_id)
-        if worker is None:
-            raise ApiError(503, f"worker {worker_id} left the pool", "no_healthy_worker")
-        return Pick(ctx, plan, worker_id, self.endpoints.of(worker.url), body, body is not original)
-
     # ------------------------------------------------------------------ response path
 
     def _response_headers(self, msg: pb.HttpHeaders) -> list[pb.ProcessingResponse]:
@@ -417,7 +366,7 @@ class Exchange:
             elif h.key.lower() == "content-type":
                 self.sse = value.startswith("text/event-stream")
         if self.pick is not None and not self.sse:
-            self.ttfb_s = time.perf_counter() - self.pick.ctx.started
+            self.ttfb_s = time.perf_counter() - self.pick.decision.request.started
         out = [pb.ProcessingResponse(response_headers=pb.HeadersResponse())]
         if msg.end_of_stream:
             self.finish(ok=200 <= self.status < 400)
@@ -426,7 +375,7 @@ class Exchange:
     def _response_body(self, msg: pb.HttpBody) -> list[pb.ProcessingResponse]:
         if self.sse:
             if self.ttfb_s is None and msg.body and self.pick is not None:  # a stream's first token
-                self.ttfb_s = time.perf_counter() - self.pick.ctx.started
+                self.ttfb_s = time.perf_counter() - self.pick.decision.request.started
             self.sniffer.feed(msg.body)
         elif sum(map(len, self.answer)) < self.options.max_body_bytes:
             self.answer.append(msg.body)
@@ -457,8 +406,8 @@ class Exchange:
             worker_id = next(
                 (w.id for w in self.state.registry.all() if self.endpoints.of(w.url) == self.served), worker_id
             )
-        self.pipeline.report(pick.ctx, pick.plan, Result(worker_id, self.status, self.ttfb_s, usage, ok))
-        self._count(self.status or 499, pick.ctx.model or "-")  # 499: no answer seen
+        self.state.flow.report(pick.decision, Result(worker_id, self.status, self.ttfb_s, usage, ok))
+        self._count(self.status or 499, pick.decision.request.model or "-")  # 499: no answer seen
 
     def _count(self, status: int, model: str) -> None:
         bare = self.headers.get(":path", "/").split("?", 1)[0]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,48 +21,16 @@ import orjson
 from kvroute.router.errors import error_body
 from kvroute.router.metrics import RouterMetrics
 from kvroute.router.registry import WorkerRegistry
+from kvroute.router.requests import HOP_BY_HOP
 from kvroute.router.transport import Transport, UpstreamError, UpstreamResponse
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-#: Never forwarded in either direction (RFC 9110 §7.6.1 hop-by-hop, plus what the server recomputes).
-_HOP = frozenset(
-    {
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "proxy-connection",
-        "te",
-        "trailer",
-        "trailers",
-        "transfer-encoding",
-        "upgrade",
-        "host",
-        "content-length",
-    }
-)
-_HOP_RESPONSE = _HOP | {"date", "server"}
+#: Never passed back to the client: hop-by-hop, plus what our server writes itself.
+_HOP_RESPONSE = HOP_BY_HOP | {"date", "server"}
 _MAX_PENDING = 1 << 20
 
 log = logging.getLogger("kvroute.forwarding")
-
-
-def upstream_headers(raw: list[tuple[bytes, bytes]], request_id: str) -> list[tuple[str, str]]:
-    """The client's headers minus hop-by-hop ones, with our X-Request-Id and no compression unless asked."""
-    out = [("x-request-id", request_id)]
-    encoding = False
-    for key, value in raw:
-        name = key.decode("latin-1").lower()
-        if name in _HOP or name == "x-request-id":
-            continue
-        if name == "accept-encoding":
-            encoding = True
-        out.append((name, value.decode("latin-1")))
-    if not encoding:
-        # Otherwise the HTTP client adds "gzip, deflate" and we could no longer read usage from the body.
-        out.append(("accept-encoding", "identity"))
-    return out
 
 
 def response_headers(headers: list[tuple[str, str]], request_id: str) -> list[tuple[bytes, bytes]]:
@@ -167,7 +135,7 @@ class Opened:
     upstream: UpstreamResponse
     first: bytes
     #: The rest of an SSE body; None when ``first`` is the whole body.
-    rest: AsyncIterator[bytes] | None
+    rest: AsyncGenerator[bytes, None] | None
     ttfb_s: float
 
 
@@ -191,9 +159,10 @@ class Forwarder:
             upstream = await self.transport.request(method, state.url + path, headers, body)
             try:
                 ctype = next((v for k, v in upstream.headers if k.lower() == "content-type"), "")
+                rest: AsyncGenerator[bytes, None] | None
                 if ctype.startswith("text/event-stream"):
-                    rest: AsyncIterator[bytes] | None = upstream.chunks()
-                    first = await anext(rest, b"")
+                    chunks = upstream.chunks()
+                    rest, first = chunks, await anext(chunks, b"")
                 else:
                     first, rest = await upstream.read(), None
                     await upstream.aclose()
@@ -226,13 +195,15 @@ class Forwarder:
         return RawStreamingResponse(self._stream(opened, done), status, headers)
 
     async def _stream(self, opened: Opened, done: Done) -> AsyncIterator[bytes]:
+        rest = opened.rest
+        assert rest is not None
         sniffer = UsageSniffer()
         result = Result(opened.worker_id, opened.upstream.status, opened.ttfb_s, ok=False)
         try:
             if opened.first:
                 sniffer.feed(opened.first)
                 yield opened.first
-            async for chunk in opened.rest:  # type: ignore[union-attr]
+            async for chunk in rest:
                 sniffer.feed(chunk)
                 yield chunk
             result.ok = opened.upstream.status < 400
@@ -250,7 +221,7 @@ class Forwarder:
             # Shielded: on a client disconnect the task is being cancelled, and the close must still happen
             # (it is what aborts the worker's generation).
             with anyio.CancelScope(shield=True):
-                await opened.rest.aclose()  # type: ignore[union-attr]
+                await rest.aclose()
                 await opened.upstream.aclose()
             self.registry.release(opened.worker_id)
             result.usage = sniffer.usage

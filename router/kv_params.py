@@ -197,7 +197,7 @@ def _source_params(source: WorkerView, id_factory: Callable[[], str]) -> dict[st
 
 
 @dataclass(slots=True)
-class Flow:
+class Legs:
     """The legs of one request, in order. For ``nixl`` the decode leg is built from the prefill answer."""
 
     request_id: str
@@ -227,7 +227,7 @@ class Flow:
         return Leg(self.plan.decode, "local", _with_params(self.client_body, {}), self.headers)
 
 
-def build_flow(
+def build_legs(
     body: Mapping[str, Any],
     plan: RoutePlan,
     workers: Mapping[str, WorkerView],
@@ -236,7 +236,7 @@ def build_flow(
     request_id: str,
     conversation_params: Mapping[str, Any] | None = None,
     id_factory: Callable[[], str] = new_kv_request_id,
-) -> Flow:
+) -> Legs:
     """Turn a (sanitized) client body and a plan into legs for the pool's ``protocol``.
 
     ``conversation_params``: the previous turn's decoder ``kv_transfer_params`` from the conversation
@@ -248,22 +248,22 @@ def build_flow(
     client = dict(body)
     client.pop("kv_transfer_params", None)
     headers = {REQUEST_ID_HEADER: request_id}
-    flow = Flow(request_id, protocol, plan, client, None, None)
+    legs = Legs(request_id, protocol, plan, client, None, None)
     if protocol == "none":
         if plan.disaggregated or plan.kv_source:
             raise KVParamsError("pool protocol 'none' can only carry aggregated plans")
-        flow.final = Leg(plan.decode, "local", _with_params(client, {}), headers)
+        legs.final = Leg(plan.decode, "local", _with_params(client, {}), headers)
     elif protocol == "p2p":
-        _p2p(flow, plan, workers, id_factory, headers)
+        _p2p(legs, plan, workers, id_factory, headers)
     elif protocol == "nixl":
-        _nixl(flow, plan, conversation_params, headers)
+        _nixl(legs, plan, conversation_params, headers)
     else:
         raise KVParamsError(f"unknown kv protocol {protocol!r}")
-    return flow
+    return legs
 
 
 def _p2p(
-    flow: Flow,
+    legs: Legs,
     plan: RoutePlan,
     workers: Mapping[str, WorkerView],
     id_factory: Callable[[], str],
@@ -275,7 +275,7 @@ def _p2p(
         params = dict(tiers)
         if source is not None:
             params["remote_kv_source"] = _source_params(source, id_factory)
-        flow.final = Leg(plan.decode, "local", _with_params(flow.client_body, params), headers)
+        legs.final = Leg(plan.decode, "local", _with_params(legs.client_body, params), headers)
         return
     transfer = id_factory()
     prefill_params: dict[str, Any] = {**tiers, "remote_decoder": {"kv_request_id": transfer}}
@@ -284,15 +284,15 @@ def _p2p(
     host, port = peer_address(workers[plan.prefill])
     prefiller = {"kv_request_id": transfer, "remote_host": host, "remote_port": port}
     decode_params = {"remote_prefiller": prefiller}
-    flow.prefill = Leg(plan.prefill, "prefill", _with_params(prefill_only(flow.client_body), prefill_params), headers)
-    flow.final = Leg(plan.decode, "decode", _with_params(flow.client_body, decode_params), headers)
+    legs.prefill = Leg(plan.prefill, "prefill", _with_params(prefill_only(legs.client_body), prefill_params), headers)
+    legs.final = Leg(plan.decode, "decode", _with_params(legs.client_body, decode_params), headers)
 
 
-def _nixl(flow: Flow, plan: RoutePlan, conversation_params: Mapping[str, Any] | None, headers: dict[str, str]) -> None:
+def _nixl(legs: Legs, plan: RoutePlan, conversation_params: Mapping[str, Any] | None, headers: dict[str, str]) -> None:
     if plan.kv_source:
         raise KVParamsError("NixlConnector pools have no kv_source peers")
     if not plan.disaggregated:
-        flow.final = Leg(plan.decode, "local", _with_params(flow.client_body, {}), headers)
+        legs.final = Leg(plan.decode, "local", _with_params(legs.client_body, {}), headers)
         return
     params = dict(NIXL_PREFILL_PARAMS)
     if plan.reuse_conversation and conversation_params:
@@ -300,7 +300,7 @@ def _nixl(flow: Flow, plan: RoutePlan, conversation_params: Mapping[str, Any] | 
         # rest, and produces for the new decoder. Hosts come from the stored answer of a registered worker.
         stored = {k: copy.deepcopy(v) for k, v in conversation_params.items() if k not in P2P_KEYS}
         params = {**stored, "do_remote_decode": True, "do_remote_prefill": False}
-    flow.prefill = Leg(plan.prefill, "prefill", _with_params(prefill_only(flow.client_body), params), headers)
+    legs.prefill = Leg(plan.prefill, "prefill", _with_params(prefill_only(legs.client_body), params), headers)
 
 
 def conversation_params_from_response(response: Any) -> dict[str, Any] | None:

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
 import orjson
@@ -169,7 +169,7 @@ class WorkerRegistry:
         self.probe_timeout_s = probe_timeout_s
         self._tasks: list[asyncio.Task[None]] = []
         #: Called with (worker_id, healthy) on each transition (e.g. the indexer purges a dead worker).
-        self.listeners: list = []
+        self.listeners: list[Callable[[str, bool], None]] = []
         for cfg in workers:
             self._insert(cfg)
 
@@ -348,7 +348,7 @@ class WorkerRegistry:
         self._tasks = []
 
     @staticmethod
-    async def _loop(step, interval: float) -> None:
+    async def _loop(step: Callable[[], Awaitable[None]], interval: float) -> None:
         while True:
             await asyncio.sleep(interval)
             try:

@@ -165,9 +165,9 @@ class LocalTokenizer:
         self._pre, self._post = self._special_wrap()
         self.stats = {"hits": 0, "prefix_hits": 0, "misses": 0}
 
-    def _special_wrap(self) -> tuple[list[int], list[int]] | tuple[None, None]:
+    def _special_wrap(self) -> tuple[list[int] | None, list[int] | None]:
         """The ids the post-processor adds around a prompt, when it adds the same ones around any text."""
-        wraps = set()
+        wraps: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
         for sample in ("a", "hello world"):
             full = self.tokenizer.encode(sample, add_special_tokens=True).ids
             raw = self.tokenizer.encode(sample, add_special_tokens=False).ids
@@ -412,3 +412,8 @@ class Tokenizers:
         if not isinstance(prompt, str):
             raise TokenizeError("request needs 'messages' or a string 'prompt'")
         return await src.prompt_tokens(prompt)
+
+    async def tokenize(self, model: str, prompt: str | None, messages: list[dict[str, Any]] | None) -> list[int]:
+        """The admin lookup's form: a prompt or messages, tokenized as a request with them would be."""
+        body: dict[str, Any] = {"messages": messages} if messages is not None else {"prompt": prompt}
+        return await self.tokens_for_body(model, body)

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
-from typing import Literal
+from collections.abc import AsyncGenerator
+from typing import TYPE_CHECKING, Literal
 
 import httpx
+
+if TYPE_CHECKING:
+    import aiohttp
 
 ErrorKind = Literal["connect", "timeout", "protocol"]
 
@@ -32,7 +35,7 @@ class UpstreamResponse(ABC):
     headers: list[tuple[str, str]]
 
     @abstractmethod
-    def chunks(self) -> AsyncIterator[bytes]:
+    def chunks(self) -> AsyncGenerator[bytes, None]:
         """The body as it arrives, byte for byte."""
 
     async def read(self) -> bytes:
@@ -76,7 +79,7 @@ class _HttpxResponse(UpstreamResponse):
         self.status = resp.status_code
         self.headers = resp.headers.multi_items()
 
-    async def chunks(self) -> AsyncIterator[bytes]:
+    async def chunks(self) -> AsyncGenerator[bytes, None]:
         try:
             async for chunk in self._resp.aiter_raw():
                 yield chunk
@@ -132,16 +135,16 @@ class HttpxTransport(Transport):
 class _AiohttpResponse(UpstreamResponse):
     __slots__ = ("_resp", "headers", "status")
 
-    def __init__(self, resp: object) -> None:
+    def __init__(self, resp: aiohttp.ClientResponse) -> None:
         self._resp = resp
-        self.status = resp.status  # type: ignore[attr-defined]
-        self.headers = list(resp.headers.items())  # type: ignore[attr-defined]
+        self.status = resp.status
+        self.headers = list(resp.headers.items())
 
-    async def chunks(self) -> AsyncIterator[bytes]:
+    async def chunks(self) -> AsyncGenerator[bytes, None]:
         import aiohttp
 
         try:
-            async for chunk in self._resp.content.iter_any():  # type: ignore[attr-defined]
+            async for chunk in self._resp.content.iter_any():
                 yield chunk
         except TimeoutError as exc:
             raise UpstreamError("timeout", "upstream read timed out") from exc
@@ -152,7 +155,7 @@ class _AiohttpResponse(UpstreamResponse):
         import aiohttp
 
         try:
-            return await self._resp.read()  # type: ignore[attr-defined]
+            return await self._resp.read()
         except TimeoutError as exc:
             raise UpstreamError("timeout", "upstream read timed out") from exc
         except aiohttp.ClientError as exc:
@@ -160,7 +163,7 @@ class _AiohttpResponse(UpstreamResponse):
 
     async def aclose(self) -> None:
         # close(), not release(): release() would drain an unfinished body instead of aborting it.
-        self._resp.close()  # type: ignore[attr-defined]
+        self._resp.close()
 
 
 class AiohttpTransport(Transport):
@@ -176,7 +179,7 @@ class AiohttpTransport(Transport):
         self._max = max_connections
         self._session: aiohttp.ClientSession | None = None
 
-    def _ensure(self) -> object:
+    def _ensure(self) -> aiohttp.ClientSession:
         # Created lazily: a ClientSession must be born inside the running loop.
         if self._session is None:
             connector = self._aiohttp.TCPConnector(limit=self._max, limit_per_host=0, keepalive_timeout=30.0)
@@ -193,7 +196,7 @@ class AiohttpTransport(Transport):
                 method,
                 url,
                 headers=headers,
-                data=body or None,  # type: ignore[attr-defined]
+                data=body or None,
                 allow_redirects=False,
             )
         except aiohttp.ClientConnectorError as exc:
@@ -206,7 +209,7 @@ class AiohttpTransport(Transport):
 
     async def aclose(self) -> None:
         if self._session is not None:
-            await self._session.close()  # type: ignore[attr-defined]
+            await self._session.close()
             self._session = None
 
 

@@ -1,10 +1,9 @@
 """``kvroute indexer``: the stand-alone event consumer (subscribers -> a shared Redis index).
 
 Large deployments run one of these next to many router replicas that read the same Redis
-(``index.subscribe: false`` on the routers). :func:`build_from_config` is also what ``kvroute serve``
-uses to embed the subscribers. The router's config model is read by duck typing (attributes of
-``RouterConfig``), so the library modules of ``indexer/`` never import ``router/``; only this command
-loads the config file and, when asked for a port, the admin API.
+(``index.subscribe: false`` on the routers). The index and the subscriber come from the same factories
+as ``kvroute serve``'s (:mod:`kvroute.apps.build`); this process adds the worker model discovery a
+router gets from its registry, and, when asked for a port, /metrics and the index admin API.
 """
 
 from __future__ import annotations
@@ -17,35 +16,16 @@ import signal
 import sys
 from typing import Any
 
+from kvroute.apps.build import make_indexer, make_subscriber, spec_for
+from kvroute.config import RouterConfig
 from kvroute.indexer.backend import IndexBackend
-from kvroute.indexer.memory import MemoryIndex
-from kvroute.indexer.redis_index import RedisIndex
 from kvroute.indexer.service import KVIndexer
-from kvroute.indexer.subscriber import EventSubscriber, WorkerSpec
+from kvroute.indexer.subscriber import EventSubscriber
 
 log = logging.getLogger("kvroute.indexer")
 
 #: How often a worker whose model is unknown is asked for its /v1/models again.
 DISCOVERY_RETRY_S = 5.0
-
-
-def backend_from_config(index_cfg: Any) -> IndexBackend:
-    """``config.index`` -> a backend (memory, or Redis with the configured prefix and TTL)."""
-    if index_cfg.backend == "redis":
-        return RedisIndex(index_cfg.redis_url, prefix=index_cfg.redis_prefix, ttl_s=index_cfg.block_ttl_s)
-    return MemoryIndex()
-
-
-def spec_for(worker: Any, model: str) -> WorkerSpec:
-    """A ``WorkerConfig`` as the subscriber needs it."""
-    return WorkerSpec(
-        worker.worker_id,
-        model,
-        endpoint=worker.kv_events,
-        topic=worker.kv_events_topic,
-        replay=worker.replay,
-        dp_size=worker.dp_size,
-    )
 
 
 async def discover_model(url: str, timeout_s: float = 2.0) -> str | None:
@@ -63,7 +43,7 @@ async def discover_model(url: str, timeout_s: float = 2.0) -> str | None:
 
 
 def build_from_config(
-    config: Any, backend: IndexBackend | None = None, subscribe: bool | None = None
+    config: RouterConfig, backend: IndexBackend | None = None, subscribe: bool | None = None
 ) -> tuple[KVIndexer, EventSubscriber | None]:
     """The indexer and its subscriber for a ``RouterConfig`` (workers with a known model added now).
 
@@ -72,15 +52,10 @@ def build_from_config(
     by :func:`add_discovered_workers` once they answer. Call ``await subscriber.start()`` to run it.
     """
     index_cfg = config.index
-    backend = backend or backend_from_config(index_cfg)
-    sizes = {m.name: m.block_size for m in config.models if m.block_size}
-    indexer = KVIndexer(backend, block_sizes=sizes)
+    indexer = make_indexer(config, backend)
     if not (index_cfg.subscribe if subscribe is None else subscribe):
         return indexer, None
-    refresh = index_cfg.block_ttl_s / 3 if index_cfg.backend == "redis" and index_cfg.block_ttl_s else None
-    subscriber = EventSubscriber(
-        indexer, bind=index_cfg.events_bind, grace_s=index_cfg.worker_gone_grace_s, refresh_s=refresh
-    )
+    subscriber = make_subscriber(config, indexer)
     for worker in config.workers:
         if worker.kv_events is None and not index_cfg.events_bind:
             log.warning(
@@ -94,7 +69,7 @@ def build_from_config(
     return indexer, subscriber
 
 
-async def add_discovered_workers(config: Any, subscriber: EventSubscriber) -> None:
+async def add_discovered_workers(config: RouterConfig, subscriber: EventSubscriber) -> None:
     """Keep asking workers configured without ``models`` for their model, and subscribe when known."""
     pending = [w for w in config.workers if not w.models and (w.kv_events or config.index.events_bind)]
     while pending:
@@ -168,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
 
-async def _serve(config: Any, host: str, port: int) -> int:
+async def _serve(config: RouterConfig, host: str, port: int) -> int:
     try:
         indexer, subscriber = build_from_config(config, subscribe=True)
     except ValueError as exc:

@@ -5,14 +5,18 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvroute.config import RouterConfig
+    from kvroute.router.state import RouterState, Service
 
 _LOG_LEVELS = {"critical", "error", "warning", "info", "debug", "trace"}
 
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    parser: argparse.ArgumentParser = subparsers.add_parser(
         "serve",
         help="run the OpenAI-compatible router",
         description="Run the router. The simplest start: kvroute serve --worker http://127.0.0.1:8100 "
@@ -57,7 +61,7 @@ def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def load_checked(args: argparse.Namespace, prog: str) -> Any:
+def load_checked(args: argparse.Namespace, prog: str) -> RouterConfig | int:
     """The validated RouterConfig, or an exit code (2: invalid) after printing why."""
     from kvroute.config import ConfigError, load_config
 
@@ -102,10 +106,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_router(
-    args: argparse.Namespace, prog: str, *, loop: str = "uvloop", attach: Callable[[Any, Any], None] | None = None
+    args: argparse.Namespace,
+    prog: str,
+    *,
+    loop: str = "uvloop",
+    extra_services: Callable[[RouterConfig], Sequence[Callable[[RouterState], Service]]] | None = None,
 ) -> int:
-    """Validate the config, build the router app, let ``attach(app, config)`` add to it (the EPP's gRPC
-    server), and serve it until stopped. Shared by ``kvroute serve`` and ``kvroute epp``."""
+    """Validate the config, build the router app (with the services ``extra_services(config)`` names: the
+    EPP's gRPC server), and serve it until stopped. Shared by ``kvroute serve`` and ``kvroute epp``."""
     config = load_checked(args, prog)
     if isinstance(config, int):
         return config
@@ -114,17 +122,15 @@ def run_router(
         return 0
 
     import uvicorn
-    from kvroute.router.server import build_app
+    from kvroute.apps.build import build_app
 
     level = config.log_level.lower()
     setup_logging(level)
     try:
-        app = build_app(config)
+        app = build_app(config, extra_services=extra_services(config) if extra_services else ())
     except (KeyError, TypeError, ValueError) as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2
-    if attach is not None:
-        attach(app, config)
     uvicorn.run(
         app,
         host=config.host,

@@ -14,9 +14,9 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf import struct_pb2
-from kvroute.apps.epp import attach_epp
+from kvroute.apps.build import build_app
+from kvroute.apps.epp import GrpcEpp, epp_service
 from kvroute.config import RouterConfig
-from kvroute.router.server import build_app
 from kvroute.sim.fleet import SimFleet
 
 from tests.router.upstream import serve
@@ -36,8 +36,11 @@ class Picker:
 
 @contextlib.asynccontextmanager
 async def running_epp(config: dict[str, Any], body_mode: str = "full_duplex_streamed") -> AsyncIterator[Picker]:
-    app = build_app(RouterConfig.model_validate(config))
-    epp = attach_epp(app, host="127.0.0.1", port=0, body_mode=body_mode)
+    app = build_app(
+        RouterConfig.model_validate(config),
+        extra_services=[epp_service(host="127.0.0.1", port=0, body_mode=body_mode)],
+    )
+    epp = next(s for s in app.state.kvroute.services if isinstance(s, GrpcEpp))
     async with serve(app, lifespan="on") as url, grpc.aio.insecure_channel(f"127.0.0.1:{epp.port}") as channel:
         yield Picker(url, app, pb_grpc.ExternalProcessorStub(channel))
 

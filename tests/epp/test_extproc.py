@@ -202,8 +202,8 @@ async def test_p2p_plan_injects_the_peer_and_the_engine_pulls_from_it() -> None:
                 return await indexed_blocks(client, picker.url, holder.worker_id) >= 80
 
             await eventually(indexed, what="the holder's blocks in the index")
-            pipeline = picker.app.state.kvroute.pipeline
-            pipeline.policy = BusyHolder(pipeline.policy, holder.worker_id)
+            flow = picker.app.state.kvroute.flow
+            flow.policy = BusyHolder(flow.policy, holder.worker_id)
 
             envoy = Envoy(picker.stub)
             sent = completion(

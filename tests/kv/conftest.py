@@ -8,8 +8,8 @@ from typing import Any
 
 import httpx
 import pytest
+from kvroute.apps.build import build_app
 from kvroute.config import RouterConfig
-from kvroute.router.server import build_app
 from kvroute.sim.fleet import SimFleet
 
 from tests.polling import eventually as eventually

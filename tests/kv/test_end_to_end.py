@@ -8,9 +8,9 @@ from typing import Any
 
 import httpx
 import orjson
+from kvroute.apps.build import build_app
 from kvroute.config import RouterConfig
 from kvroute.policies.base import Policy, RoutePlan, RouteRequest, WorkerView
-from kvroute.router.server import build_app
 
 from tests.kv.conftest import eventually, routed_fleet, words
 from tests.router.upstream import serve
@@ -134,8 +134,8 @@ async def test_p2p_source_serves_the_cached_prefix(client: httpx.AsyncClient) ->
         source = next(w for w in fleet.workers if w.worker_id == ids[0])
         prompt = words(160, "peer")
         await client.post(f"{source.url}/v1/completions", json=completion(fleet.model, prompt))
-        pipeline = app.state.kvroute.pipeline
-        pipeline.policy = FixedPlan(prefill=1, decode=1, source=0)
+        flow = app.state.kvroute.flow
+        flow.policy = FixedPlan(prefill=1, decode=1, source=0)
         r = await client.post(f"{url}/v1/completions", json=completion(fleet.model, prompt))
         assert r.status_code == 200
         assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 144
@@ -178,8 +178,8 @@ async def test_kvaware_fetches_from_a_busy_holder_and_the_engine_serves_it(clien
             return await indexed_blocks(client, url, holder.worker_id) >= 80
 
         await eventually(indexed, what="the holder's blocks in the index")
-        pipeline = app.state.kvroute.pipeline
-        pipeline.policy = BusyHolder(pipeline.policy, holder.worker_id)
+        flow = app.state.kvroute.flow
+        flow.policy = BusyHolder(flow.policy, holder.worker_id)
         r = await client.post(
             f"{url}/v1/completions", json=completion(fleet.model, prompt), headers={"X-KVRoute-Debug": "1"}
         )
@@ -195,7 +195,7 @@ async def test_p2p_disaggregated_legs(client: httpx.AsyncClient) -> None:
     async with routed_fleet(2, roles=["prefill", "decode"], pool={"kv_protocol": "p2p"}) as (fleet, url, app):
         ids = sorted(w.worker_id for w in fleet.workers)
         prefill_idx = ids.index(next(w.worker_id for w in fleet.workers if w.opts.role == "prefill"))
-        app.state.kvroute.pipeline.policy = FixedPlan(prefill=prefill_idx, decode=1 - prefill_idx)
+        app.state.kvroute.flow.policy = FixedPlan(prefill=prefill_idx, decode=1 - prefill_idx)
         for stream in (False, True):
             r = await client.post(
                 f"{url}/v1/completions", json=completion(fleet.model, words(100, f"pd{stream}"), stream=stream)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import httpx
 import orjson
+from kvroute.apps.build import build_app
 from kvroute.config import RouterConfig
 from kvroute.indexer.redis_index import RedisIndex
 from kvroute.indexer.service import KVIndexer
 from kvroute.indexer.subscriber import EventSubscriber, WorkerSpec
-from kvroute.router.server import build_app
 from kvroute.sim.fleet import SimFleet
 
 from tests.kv.conftest import FAST, eventually, words

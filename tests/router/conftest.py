@@ -8,9 +8,9 @@ from typing import Any
 
 import httpx
 import pytest
+from kvroute.apps.build import build_app
 from kvroute.config import RouterConfig
 from kvroute.policies import Policy
-from kvroute.router.app import create_app
 
 from tests.router.upstream import FakeWorker, serve, serve_worker
 
@@ -24,7 +24,7 @@ async def run_router(
     settings.setdefault("health_interval_s", 0.1)
     settings.setdefault("metrics_interval_s", 0.1)
     config = RouterConfig.model_validate({"workers": specs, **settings})
-    app = create_app(config, policy=impl)
+    app = build_app(config, policy=impl)
     async with serve(app, lifespan="on") as url:
         yield url, app
 

@@ -1,4 +1,6 @@
-"""The seams later parts plug into: a Pipeline subclass (facts, executor), extra admin routers, hooks."""
+"""The router's extension points, as the composition root offers them: a policy plugin (it sees the request
+flow's facts and observes outcomes), extra services with a lifetime inside the app's (the EPP's gRPC server
+is one), and the admin routes the root mounts (bearer-token protected)."""
 
 from __future__ import annotations
 
@@ -6,19 +8,20 @@ import contextlib
 from collections.abc import AsyncIterator, Sequence
 
 import httpx
-from fastapi import APIRouter, Depends, Request
+from kvroute.apps.build import build_app
 from kvroute.config import RouterConfig
 from kvroute.policies import Policy, RoutePlan, RouteRequest, WorkerView
 from kvroute.policies.base import RouteOutcome
-from kvroute.router.admin import require_admin
-from kvroute.router.app import create_app
-from kvroute.router.pipeline import AggregatedExecutor, Pipeline, RequestContext
+from kvroute.router.state import RouterState
 
 from tests.router.upstream import FakeWorker, serve, serve_worker
 
 
 class Facts(Policy):
+    """A plugin policy that asks for the index: the flow tokenizes (the worker's /tokenize) and looks up."""
+
     name = "facts"
+    needs_index = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -30,71 +33,58 @@ class Facts(Policy):
         w = workers[0]
         return RoutePlan(prefill=w.id, decode=w.id, policy=self.name, predicted_cached_tokens=3)
 
+    def explain(self, request: RouteRequest, workers: Sequence[WorkerView]) -> RoutePlan:
+        w = workers[0]
+        return RoutePlan(prefill=w.id, decode=w.id, policy=self.name, predicted_cached_tokens=3)
+
     def observe(self, outcome: RouteOutcome) -> None:
         self.outcomes.append(outcome)
 
 
-class RewritingExecutor(AggregatedExecutor):
-    """Stands for a later executor that rewrites the body (kv_transfer_params) before forwarding."""
+class Recorder:
+    """An extra service: records when the app starts and stops it, and what it saw of the state."""
 
-    async def execute(self, pipeline, ctx: RequestContext, plan: RoutePlan):
-        import orjson
+    def __init__(self, state: RouterState, events: list[str]) -> None:
+        self.state = state
+        self.events = events
 
-        assert ctx.json is not None
-        ctx.json["kv_transfer_params"] = {"marker": plan.prefill}
-        ctx.body = orjson.dumps(ctx.json)
-        return await super().execute(pipeline, ctx, plan)
+    async def start(self) -> None:
+        # Core services (the registry's probes) are already running when an extra one starts.
+        self.events.append(f"start:{len(self.state.registry)}")
 
-
-class EnrichedPipeline(Pipeline):
-    async def gather_facts(self, ctx: RequestContext, policy: Policy) -> RouteRequest:
-        facts = await super().gather_facts(ctx, policy)
-        facts.prompt_tokens = len(str(ctx.json.get("prompt", ""))) if ctx.json else None
-        assert self.config is not None
-        facts.block_size = self.config.model_config_for(facts.model).block_size or 16
-        return facts
-
-    def executor_for(self, ctx: RequestContext, plan: RoutePlan):
-        return RewritingExecutor() if ctx.extra.get("rewrite", True) else self.executor
+    async def stop(self) -> None:
+        self.events.append("stop")
 
 
 @contextlib.asynccontextmanager
-async def app_with(workers: list[str], policy: Policy) -> AsyncIterator[tuple[str, object]]:
-    extra = APIRouter(dependencies=[Depends(require_admin)])
-
-    @extra.get("/index/stats")
-    async def stats(request: Request) -> dict[str, int]:
-        return {"workers": len(request.app.state.kvroute.registry)}
-
+async def app_with(workers: list[str], policy: Policy, events: list[str]) -> AsyncIterator[tuple[str, object]]:
     config = RouterConfig.model_validate(
         {"workers": [{"url": u} for u in workers], "admin_token": "t", "models": [{"name": "m1", "block_size": 32}]}
     )
-    app = create_app(config, policy=policy, pipeline_cls=EnrichedPipeline, admin_routers=[extra])
-    events: list[str] = []
-
-    async def started(state) -> None:
-        events.append("start")
-
-    async def stopped(state) -> None:
-        events.append("stop")
-
-    app.state.kvroute.on_startup.append(started)
-    app.state.kvroute.on_shutdown.append(stopped)
+    app = build_app(config, policy=policy, extra_services=[lambda state: Recorder(state, events)])
     async with serve(app, lifespan="on") as url:
-        assert events == ["start"]
+        assert events == ["start:1"]
         yield url, app
-    assert events == ["start", "stop"]
+    assert events == ["start:1", "stop"]
 
 
-async def test_pipeline_subclass_executor_and_admin_router(client: httpx.AsyncClient) -> None:
+async def test_plugin_policy_sees_the_flow_facts_and_outcomes(client: httpx.AsyncClient) -> None:
     w = FakeWorker("w")
     policy = Facts()
-    async with serve_worker(w), app_with([w.url], policy) as (url, _app):
+    events: list[str] = []
+    async with serve_worker(w), app_with([w.url], policy, events) as (url, _app):
         r = await client.post(url + "/v1/completions", json={"model": "m1", "prompt": "hello"})
         assert r.status_code == 200
         stats = await client.get(url + "/admin/index/stats", headers={"Authorization": "Bearer t"})
-        assert stats.json() == {"workers": 1}
+        assert stats.status_code == 200 and "workers" in stats.json()
         assert (await client.get(url + "/admin/index/stats")).status_code == 401
-    assert policy.seen[0].prompt_tokens == 5 and policy.seen[0].block_size == 32
-    assert w.seen[-1]["body"]["kv_transfer_params"] == {"marker": w.url.removeprefix("http://")}
+        explained = await client.post(
+            url + "/admin/route/explain", json={"model": "m1", "prompt": "hello"}, headers={"Authorization": "Bearer t"}
+        )
+        assert explained.status_code == 200 and explained.json()["plan"]["predicted_cached_tokens"] == 3
+    seen = policy.seen[0]
+    # The prompt was tokenized by the worker's /tokenize and the block size comes from the model's config.
+    assert any(s["path"] == "/tokenize" for s in w.seen)
+    assert seen.prompt_tokens == 3 and seen.block_size == 32
+    assert len(policy.seen) == 1  # explain is a dry run: choose() was not called for it
     assert policy.outcomes[0].plan.predicted_cached_tokens == 3 and policy.outcomes[0].cached_tokens == 4

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import orjson
 from kvroute.config import WorkerConfig
-from kvroute.router.forwarding import UsageSniffer, response_headers, upstream_headers, usage_of
+from kvroute.router.forwarding import UsageSniffer, response_headers, usage_of
 from kvroute.router.metrics import RouterMetrics
 from kvroute.router.registry import WorkerRegistry, parse_vllm_metrics
+from kvroute.router.requests import upstream_headers
 from kvroute.router.transport import HttpxTransport
 
 USAGE = {"prompt_tokens": 7, "prompt_tokens_details": {"cached_tokens": 5}}

@@ -10,7 +10,7 @@ from kvroute.router.kv_params import (
     NIXL_PREFILL_PARAMS,
     REQUEST_ID_HEADER,
     KVParamsError,
-    build_flow,
+    build_legs,
     check_kv_transfer_params,
     conversation_params_from_response,
     sanitize_client_body,
@@ -59,40 +59,40 @@ def test_client_routing_keys_are_stripped_or_refused() -> None:
 
 
 def test_none_protocol_local_body_only() -> None:
-    flow = build_flow(
+    legs = build_legs(
         {**BODY, "kv_transfer_params": {"remote_host": "x"}},
         RoutePlan("a", "a"),
         WORKERS,
         protocol="none",
         request_id="req-1",
     )
-    assert flow.prefill is None and flow.final is not None
-    assert flow.final.worker_id == "a" and "kv_transfer_params" not in flow.final.body
-    assert flow.final.headers == {REQUEST_ID_HEADER: "req-1"}
+    assert legs.prefill is None and legs.final is not None
+    assert legs.final.worker_id == "a" and "kv_transfer_params" not in legs.final.body
+    assert legs.final.headers == {REQUEST_ID_HEADER: "req-1"}
     with pytest.raises(KVParamsError):
-        build_flow(BODY, RoutePlan("a", "b"), WORKERS, protocol="none", request_id="r")
+        build_legs(BODY, RoutePlan("a", "b"), WORKERS, protocol="none", request_id="r")
 
 
 def test_p2p_aggregated_with_source_and_tiers() -> None:
     plan = RoutePlan(
         "a", "a", kv_source="b", kv_load_tiers=[{"medium": "STORAGE", "locality": "LOCAL"}], max_offload_tokens=1024
     )
-    flow = build_flow(BODY, plan, WORKERS, protocol="p2p", request_id="r", id_factory=counter_factory())
-    assert flow.prefill is None and flow.final is not None
-    params = flow.final.body["kv_transfer_params"]
+    legs = build_legs(BODY, plan, WORKERS, protocol="p2p", request_id="r", id_factory=counter_factory())
+    assert legs.prefill is None and legs.final is not None
+    params = legs.final.body["kv_transfer_params"]
     assert params == {
         "kv_load_tiers": [{"medium": "STORAGE", "locality": "LOCAL"}],
         "max_offload_tokens": 1024,
         "remote_kv_source": {"kv_request_id": "id1", "remote_host": "10.0.0.2", "remote_port": 5711},
     }
-    assert flow.final.stream
+    assert legs.final.stream
 
 
 def test_p2p_disaggregated_with_source() -> None:
     plan = RoutePlan("a", "b", kv_source="c")
-    flow = build_flow(BODY, plan, WORKERS, protocol="p2p", request_id="r", id_factory=counter_factory())
-    assert flow.prefill is not None and flow.final is not None
-    pre, dec = flow.prefill.body, flow.final.body
+    legs = build_legs(BODY, plan, WORKERS, protocol="p2p", request_id="r", id_factory=counter_factory())
+    assert legs.prefill is not None and legs.final is not None
+    pre, dec = legs.prefill.body, legs.final.body
     assert pre["kv_transfer_params"]["remote_decoder"] == {"kv_request_id": "id1"}
     assert pre["kv_transfer_params"]["remote_kv_source"]["remote_host"] == "10.0.0.3"
     assert dec["kv_transfer_params"] == {
@@ -100,20 +100,20 @@ def test_p2p_disaggregated_with_source() -> None:
     }
     assert pre["stream"] is False and pre["max_tokens"] == 1 and "stream_options" not in pre
     assert dec["stream"] is True and dec["max_tokens"] == 50
-    assert flow.prefill.headers == flow.final.headers
+    assert legs.prefill.headers == legs.final.headers
 
 
 def test_p2p_peer_without_endpoint_is_refused() -> None:
     with pytest.raises(KVParamsError, match="no P2P endpoint"):
-        build_flow(BODY, RoutePlan("a", "a", kv_source="nop2p"), WORKERS, protocol="p2p", request_id="r")
+        build_legs(BODY, RoutePlan("a", "a", kv_source="nop2p"), WORKERS, protocol="p2p", request_id="r")
     with pytest.raises(KVParamsError, match="unknown worker"):
-        build_flow(BODY, RoutePlan("a", "a", kv_source="evil"), WORKERS, protocol="p2p", request_id="r")
+        build_legs(BODY, RoutePlan("a", "a", kv_source="evil"), WORKERS, protocol="p2p", request_id="r")
 
 
 def test_nixl_two_leg_flow() -> None:
-    flow = build_flow(BODY, RoutePlan("a", "b"), WORKERS, protocol="nixl", request_id="req-9")
-    assert flow.prefill is not None and flow.final is None
-    pre = flow.prefill.body
+    legs = build_legs(BODY, RoutePlan("a", "b"), WORKERS, protocol="nixl", request_id="req-9")
+    assert legs.prefill is not None and legs.final is None
+    pre = legs.prefill.body
     assert pre["stream"] is False and pre["max_tokens"] == 1 and pre["max_completion_tokens"] == 1
     assert "stream_options" not in pre and "min_tokens" not in pre
     assert pre["kv_transfer_params"] == NIXL_PREFILL_PARAMS
@@ -128,13 +128,13 @@ def test_nixl_two_leg_flow() -> None:
             "tp_size": 1,
         },
     }
-    dec = flow.decode_leg(answer)
+    dec = legs.decode_leg(answer)
     assert dec.worker_id == "b" and dec.stream and dec.body["max_tokens"] == 50
     assert dec.body["kv_transfer_params"] == answer["kv_transfer_params"]
-    assert dec.headers == {REQUEST_ID_HEADER: "req-9"} == flow.prefill.headers
+    assert dec.headers == {REQUEST_ID_HEADER: "req-9"} == legs.prefill.headers
     with pytest.raises(KVParamsError, match="no kv_transfer_params"):
-        flow.decode_leg({"choices": []})
-    fallback = flow.fallback_leg()
+        legs.decode_leg({"choices": []})
+    fallback = legs.fallback_leg()
     assert fallback.worker_id == "b" and "kv_transfer_params" not in fallback.body
 
 
@@ -147,12 +147,12 @@ def test_nixl_conversation_reuse_on_the_prefill_leg() -> None:
         "remote_port": 5601,
     }
     plan = RoutePlan("a", "b", reuse_conversation=True)
-    flow = build_flow(BODY, plan, WORKERS, protocol="nixl", request_id="r", conversation_params=stored)
-    assert flow.prefill is not None
-    params = flow.prefill.body["kv_transfer_params"]
+    legs = build_legs(BODY, plan, WORKERS, protocol="nixl", request_id="r", conversation_params=stored)
+    assert legs.prefill is not None
+    params = legs.prefill.body["kv_transfer_params"]
     assert params["do_remote_decode"] is True and params["do_remote_prefill"] is False
     assert params["remote_host"] == "10.0.0.2" and params["remote_block_ids"] == [7]
-    plain = build_flow(BODY, RoutePlan("a", "b"), WORKERS, protocol="nixl", request_id="r", conversation_params=stored)
+    plain = build_legs(BODY, RoutePlan("a", "b"), WORKERS, protocol="nixl", request_id="r", conversation_params=stored)
     assert plain.prefill is not None and plain.prefill.body["kv_transfer_params"] == NIXL_PREFILL_PARAMS
 
 

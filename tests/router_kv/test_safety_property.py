@@ -11,7 +11,7 @@ from kvroute.router.kv_params import (
     ALLOWED_P2P_SETS,
     P2P_KEYS,
     KVParamsError,
-    build_flow,
+    build_legs,
     check_kv_transfer_params,
     sanitize_client_body,
 )
@@ -97,7 +97,7 @@ def test_kvaware_plans_never_produce_forbidden_params(
     by_id = {w.id: w for w in ws}
     stored = {"remote_host": "10.9.9.9", "remote_block_ids": [1], "remote_kv_source": {"x": 1}}
     # A plan from the policy is always one the pool's protocol can carry.
-    flow = build_flow(
+    legs = build_legs(
         body,
         plan,
         by_id,
@@ -105,12 +105,12 @@ def test_kvaware_plans_never_produce_forbidden_params(
         request_id="r",  # type: ignore[arg-type]
         conversation_params=stored,
     )
-    legs = [leg.body for leg in (flow.prefill, flow.final) if leg is not None]
-    if flow.final is None:
+    bodies = [leg.body for leg in (legs.prefill, legs.final) if leg is not None]
+    if legs.final is None:
         answer = {"kv_transfer_params": {"do_remote_prefill": True, "remote_host": "h"}}
-        legs.append(flow.decode_leg(answer).body)
-    legs.append(flow.fallback_leg().body)
-    assert_legal(legs)
+        bodies.append(legs.decode_leg(answer).body)
+    bodies.append(legs.fallback_leg().body)
+    assert_legal(bodies)
 
 
 @settings(max_examples=300, deadline=None)
@@ -126,7 +126,7 @@ def test_random_plans_never_produce_forbidden_params(data: st.DataObject, protoc
         max_offload_tokens=data.draw(st.one_of(st.none(), st.integers(0, 10000))),
     )
     try:
-        flow = build_flow(
+        legs = build_legs(
             {"model": "m", "prompt": "x"},
             plan,
             {w.id: w for w in ws},
@@ -136,5 +136,5 @@ def test_random_plans_never_produce_forbidden_params(data: st.DataObject, protoc
         )
     except KVParamsError:
         return
-    legs = [leg.body for leg in (flow.prefill, flow.final) if leg is not None]
-    assert_legal(legs)
+    bodies = [leg.body for leg in (legs.prefill, legs.final) if leg is not None]
+    assert_legal(bodies)

@@ -1,0 +1,200 @@
+"""The composition root: every part of a running router built once, in order, from the config.
+
+``kvroute serve``, ``kvroute epp`` and ``kvroute indexer`` all build from here, so the index, the
+subscribers and the policy are made one way. Order: metrics -> transport -> registry -> index -> event
+subscribers -> tokenizers -> conversation store -> policy -> request flow -> services (started in this
+order by the app's lifespan, stopped in reverse).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+import httpx
+from kvroute.config import RouterConfig, WorkerConfig
+from kvroute.indexer.backend import IndexBackend
+from kvroute.indexer.memory import MemoryIndex
+from kvroute.indexer.service import KVIndexer
+from kvroute.indexer.subscriber import EventSubscriber, WorkerSpec
+from kvroute.policies import Policy, create_policy
+from kvroute.policies.base import PoolContext
+from kvroute.router.app import create_app
+from kvroute.router.conversations import ConversationStore, MemoryConversationStore, RedisConversationStore
+from kvroute.router.explain import explain_router
+from kvroute.router.facts import FactGatherer
+from kvroute.router.flow import RequestFlow
+from kvroute.router.forwarding import Forwarder
+from kvroute.router.index_admin import index_admin_router
+from kvroute.router.kv_metrics import KVRouteMetrics
+from kvroute.router.metrics import RouterMetrics
+from kvroute.router.outcomes import Outcomes
+from kvroute.router.registry import WorkerRegistry
+from kvroute.router.state import RouterState, Service
+from kvroute.router.subscriptions import SubscriptionSync
+from kvroute.router.tokens import Tokenizers
+from kvroute.router.transport import Transport, make_transport
+from starlette.applications import Starlette
+
+log = logging.getLogger("kvroute.build")
+
+
+# ---------------------------------------------------------------------------------------------- index
+
+
+def make_backend(config: RouterConfig) -> IndexBackend:
+    """``index.backend``: memory (one process), or a Redis index shared by replicas."""
+    index = config.index
+    if index.backend == "redis":
+        from kvroute.indexer.redis_index import RedisIndex
+
+        return RedisIndex(index.redis_url, prefix=index.redis_prefix, ttl_s=index.block_ttl_s)
+    return MemoryIndex()
+
+
+def make_indexer(config: RouterConfig, backend: IndexBackend | None = None) -> KVIndexer:
+    sizes = {m.name: m.block_size for m in config.models if m.block_size}
+    return KVIndexer(backend or make_backend(config), block_sizes=sizes)
+
+
+def make_subscriber(config: RouterConfig, indexer: KVIndexer) -> EventSubscriber:
+    """The KV-event subscriber; a Redis index expires entries after ``block_ttl_s`` (the safety net for lost
+    removals), so live blocks are rewritten well before that, or hot prefixes (system prompts) would drop out."""
+    index = config.index
+    refresh_s = index.block_ttl_s / 3 if index.backend == "redis" and index.block_ttl_s else None
+    return EventSubscriber(indexer, bind=index.events_bind, grace_s=index.worker_gone_grace_s, refresh_s=refresh_s)
+
+
+def spec_for(worker: WorkerConfig, model: str) -> WorkerSpec:
+    """A configured worker as the subscriber needs it."""
+    return WorkerSpec(
+        worker.worker_id,
+        model,
+        endpoint=worker.kv_events,
+        topic=worker.kv_events_topic,
+        replay=worker.replay,
+        dp_size=worker.dp_size,
+    )
+
+
+# ---------------------------------------------------------------------------------------------- router
+
+
+def pool_context(config: RouterConfig) -> PoolContext:
+    """The pool's facts for the policy: per-model figures for the cost model, the KV protocol, the links."""
+    models = {
+        m.name: {
+            "prefill_tokens_per_s": m.prefill_tokens_per_s,
+            "attention_coeff_s": m.attention_coeff_s,
+            "bytes_per_token": float(m.bytes_per_token),
+            "transfer_per_block_s": m.transfer_per_block_s,
+        }
+        for m in config.models
+    }
+    pool = config.pool
+    return PoolContext(
+        models=models,
+        kv_protocol=pool.kv_protocol,
+        kv_recompute_threshold=pool.kv_recompute_threshold,
+        link_bytes_per_s=pool.link_bytes_per_s,
+        transfer_setup_s=pool.transfer_setup_s,
+    )
+
+
+def make_conversations(config: RouterConfig) -> ConversationStore | None:
+    """Multi-turn reuse exists only on NixlConnector pools (the decoder returns its kv_transfer_params)."""
+    if config.pool.kv_protocol != "nixl":
+        return None
+    if config.index.backend == "redis":
+        return RedisConversationStore(
+            config.index.redis_url, ttl_s=config.pool.conversation_ttl_s, prefix=f"{config.index.redis_prefix}:conv"
+        )
+    return MemoryConversationStore(ttl_s=config.pool.conversation_ttl_s)
+
+
+@dataclass(slots=True)
+class Closing:
+    """A :class:`Service` that only has something to close at shutdown (clients, stores, the backend)."""
+
+    name: str
+    close: Callable[[], Awaitable[object]]
+
+    async def start(self) -> None:
+        return None
+
+    async def stop(self) -> None:
+        await self.close()
+
+
+def build_state(
+    config: RouterConfig,
+    *,
+    policy: Policy | None = None,
+    transport: Transport | None = None,
+    extra_services: Sequence[Callable[[RouterState], Service]] = (),
+) -> RouterState:
+    """Every part of the router, wired once. ``extra_services`` build services that need the state (the
+    EPP's gRPC server); they start last and stop first."""
+    c = config
+    metrics = RouterMetrics()
+    kv_metrics = KVRouteMetrics(metrics.registry)
+    transport = transport or make_transport(c.http_client, c.connect_timeout_s, c.read_timeout_s)
+    registry = WorkerRegistry(
+        c.workers,
+        transport,
+        metrics,
+        health_interval_s=c.health_interval_s,
+        metrics_interval_s=c.metrics_interval_s,
+        unhealthy_after=c.unhealthy_after,
+        healthy_after=c.healthy_after,
+        probe_timeout_s=min(c.connect_timeout_s + 1.0, c.health_interval_s + 1.0),
+    )
+    indexer = make_indexer(c)
+    tokenize_client = httpx.AsyncClient(timeout=10.0, limits=httpx.Limits(max_connections=64))
+
+    def worker_url_for(model: str) -> str | None:
+        healthy = [w for w in registry.all() if w.healthy and w.serves(model)]
+        return healthy[0].url if healthy else None
+
+    tokenizers = Tokenizers.from_models(c.models, tokenize_client, worker_url_for)
+    conversations = make_conversations(c)
+    policy = policy or create_policy(c.policy, pool_context(c), **c.policy_options)
+    forwarder = Forwarder(transport, registry, metrics)
+    facts = FactGatherer(registry, kv_metrics, tokenizers=tokenizers, indexer=indexer, conversations=conversations)
+    flow = RequestFlow(
+        registry,
+        policy,
+        forwarder,
+        facts,
+        Outcomes(metrics, kv_metrics, policy.name or type(policy).__name__),
+        metrics,
+        kv_metrics,
+        protocol=c.pool.kv_protocol,
+        conversations=conversations,
+        debug_headers=c.debug_headers,
+    )
+    services: list[Service] = [registry]
+    if c.index.subscribe:
+        services.append(SubscriptionSync(registry, make_subscriber(c, indexer), indexer))
+    services.append(Closing("tokenizer client", tokenize_client.aclose))
+    if conversations is not None:
+        services.append(Closing("conversation store", conversations.close))
+    services.append(Closing("index backend", indexer.backend.close))
+    services.append(Closing("upstream transport", transport.aclose))
+    state = RouterState(c, registry, flow, forwarder, transport, metrics, indexer, tokenizers)
+    state.services = [*services, *(make(state) for make in extra_services)]
+    return state
+
+
+def build_app(
+    config: RouterConfig,
+    *,
+    policy: Policy | None = None,
+    transport: Transport | None = None,
+    extra_services: Sequence[Callable[[RouterState], Service]] = (),
+) -> Starlette:
+    """The full router app (``kvroute serve``): state + HTTP surface + admin (index, explain)."""
+    state = build_state(config, policy=policy, transport=transport, extra_services=extra_services)
+    admin = [index_admin_router(state.indexer, config.admin_token, state.tokenizers.tokenize), explain_router()]
+    return create_app(state, admin_routers=admin)

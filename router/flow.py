@@ -1,0 +1,303 @@
+"""The request flow, top to bottom: parse -> tokens -> keys -> lookup -> policy -> rewrite -> forward -> report.
+
+One :class:`RequestFlow` serves every entry point. ``kvroute serve`` calls :meth:`RequestFlow.handle`
+(decide, execute, retry once elsewhere before any byte went out); the Endpoint Picker calls
+:meth:`~RequestFlow.decide` and :meth:`~RequestFlow.rewrite` and lets Envoy forward;
+``/admin/route/explain`` calls :meth:`~RequestFlow.decide` as a dry run. Parsing happens before
+(:func:`~kvroute.router.requests.parse_request`), the KV facts in :class:`~kvroute.router.facts.FactGatherer`,
+the bodies in :mod:`~kvroute.router.kv_params`, the bytes in :class:`~kvroute.router.forwarding.Forwarder`,
+the bookkeeping in :class:`~kvroute.router.outcomes.Outcomes`.
+
+A stale or failed plan costs time, never the request: a failed prefill leg falls back to local
+recomputation on the decode worker, and an engine that misses a peer lookup recomputes by itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from kvroute.policies.base import NoWorkerError, Policy, RoutePlan
+from kvroute.router.conversations import ConversationStore, entry_from_turn
+from kvroute.router.errors import ApiError, model_not_found, no_healthy_worker
+from kvroute.router.facts import FactGatherer, Facts
+from kvroute.router.forwarding import Forwarder, Result
+from kvroute.router.kv_metrics import KVRouteMetrics
+from kvroute.router.kv_params import KVParamsError, Leg, Legs, build_legs
+from kvroute.router.metrics import RouterMetrics
+from kvroute.router.outcomes import Outcomes
+from kvroute.router.registry import WorkerRegistry
+from kvroute.router.requests import ParsedRequest
+from kvroute.router.transport import UpstreamError
+from kvroute.vocabulary import KVProtocol
+from starlette.responses import Response
+
+log = logging.getLogger("kvroute.flow")
+
+
+@dataclass(slots=True)
+class Decision:
+    """A routed request: what the flow learnt and what the policy chose."""
+
+    request: ParsedRequest
+    facts: Facts
+    plan: RoutePlan
+
+
+@dataclass(slots=True)
+class Delivery:
+    """How a plan is carried out: the worker that answers the client and the bytes it gets, or the legs
+    (prefill first) when the plan needs ``kv_transfer_params``."""
+
+    worker_id: str
+    body: bytes
+    legs: Legs | None = None
+
+    @property
+    def single_leg(self) -> bool:
+        return self.legs is None or (self.legs.prefill is None and self.legs.final is not None)
+
+
+class PrefillFailed(RuntimeError):
+    """The prefill leg answered, but not with something the decode leg can use."""
+
+
+class RequestFlow:
+    """Routes one parsed request and answers it."""
+
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        policy: Policy,
+        forwarder: Forwarder,
+        facts: FactGatherer,
+        outcomes: Outcomes,
+        metrics: RouterMetrics,
+        kv_metrics: KVRouteMetrics,
+        *,
+        protocol: KVProtocol = "none",
+        conversations: ConversationStore | None = None,
+        debug_headers: bool = False,
+    ) -> None:
+        self.registry = registry
+        #: Replaceable at run time (tests swap in a fixed plan); read once per decision.
+        self.policy = policy
+        self.forwarder = forwarder
+        self.facts = facts
+        self.outcomes = outcomes
+        self.metrics = metrics
+        self.kv_metrics = kv_metrics
+        self.protocol = protocol
+        self.conversations = conversations
+        self.allow_debug = debug_headers
+
+    # ------------------------------------------------------------------ serve: the whole flow
+
+    async def handle(self, request: ParsedRequest) -> Response:
+        """Decide, carry out, and retry once on another worker when the first one failed before answering."""
+        decision = await self.decide(request)
+        try:
+            return await self.execute(decision)
+        except UpstreamError as first:
+            if first.kind == "timeout":
+                raise upstream_api_error(first) from None
+            log.warning("request %s: %s; retrying on another worker", request.request_id, first)
+            try:
+                decision = await self.decide(request, exclude=request.tried, facts=decision.facts)
+            except ApiError:
+                raise upstream_api_error(first) from None
+            self.metrics.retries.inc()
+            try:
+                return await self.execute(decision)
+            except UpstreamError as second:
+                raise upstream_api_error(second) from None
+
+    # ------------------------------------------------------------------ tokens -> keys -> lookup -> policy
+
+    async def decide(
+        self,
+        request: ParsedRequest,
+        *,
+        exclude: Collection[str] = (),
+        dry_run: bool = False,
+        facts: Facts | None = None,
+    ) -> Decision:
+        """Gather facts (once per request) and ask the policy, among healthy workers serving the model.
+        ``dry_run`` (explain) asks ``policy.explain`` and changes no state anywhere."""
+        began = time.perf_counter()
+        if request.model and not self.registry.knows_model(request.model):
+            raise model_not_found(request.model)
+        views = self.registry.views(request.model)
+        if exclude:
+            views = [v for v in views if v.id not in exclude]
+        if not views:
+            raise no_healthy_worker(request.model)
+        if request.stripped_client_params and not dry_run and facts is None:
+            self.kv_metrics.client_params.inc(request.stripped_client_params)
+        policy = self.policy
+        if facts is None:
+            facts = await self.facts.gather(request, policy, dry_run=dry_run)
+        try:
+            plan = policy.explain(facts.route, views) if dry_run else policy.choose(facts.route, views)
+        except NoWorkerError as exc:
+            raise ApiError(503, str(exc), "no_healthy_worker") from None
+        if not dry_run:
+            self.outcomes.decided(time.perf_counter() - began)
+        if log.isEnabledFor(logging.DEBUG):  # the decision log: `kvroute serve --log-level debug`
+            log.debug(
+                "request %s -> prefill %s decode %s source %s: %s",
+                request.request_id,
+                plan.prefill,
+                plan.decode,
+                plan.kv_source,
+                plan.reason,
+            )
+        return Decision(request, facts, plan)
+
+    # ------------------------------------------------------------------ rewrite
+
+    def rewrite(self, decision: Decision) -> Delivery:
+        """The plan as requests to workers. The client's bytes go untouched when the plan needs no
+        ``kv_transfer_params``; otherwise :func:`~kvroute.router.kv_params.build_legs` writes them (and
+        never a combination vLLM refuses). Raises 503 ``unroutable_plan`` when the pool cannot carry it."""
+        request, plan = decision.request, decision.plan
+        if not self._needs_params(request, plan):
+            return Delivery(plan.prefill, request.body)
+        assert request.json is not None
+        views = {v.id: v for v in self.registry.views(request.model)}
+        entry = decision.facts.conversation
+        try:
+            legs = build_legs(
+                request.json,
+                plan,
+                views,
+                protocol=self.protocol,
+                request_id=request.request_id,
+                conversation_params=entry.kv_transfer_params if entry is not None and plan.reuse_conversation else None,
+            )
+        except KVParamsError as exc:
+            log.error("request %s: plan %s cannot be carried out: %s", request.request_id, plan.to_dict(), exc)
+            raise ApiError(
+                503, f"the routing plan cannot be carried out on this pool: {exc}", "unroutable_plan"
+            ) from None
+        if legs.final is not None:
+            return Delivery(legs.final.worker_id, orjson.dumps(legs.final.body), legs)
+        return Delivery(plan.decode, b"", legs)
+
+    def _needs_params(self, request: ParsedRequest, plan: RoutePlan) -> bool:
+        if not request.generation:
+            return False
+        local = not plan.disaggregated and not plan.kv_source
+        if self.protocol == "none":
+            return not local
+        if self.protocol == "p2p":
+            return not local or plan.kv_load_tiers is not None or plan.max_offload_tokens is not None
+        return True
+
+    # ------------------------------------------------------------------ forward
+
+    async def execute(self, decision: Decision) -> Response:
+        """Carry the plan out and answer. Raises UpstreamError only while nothing has reached the client."""
+        request = decision.request
+        delivery = self.rewrite(decision)
+        worker_id, body = delivery.worker_id, delivery.body
+        legs = delivery.legs
+        if legs is not None and legs.prefill is not None:
+            final = await self._after_prefill(decision, legs, legs.prefill)
+            worker_id, body = final.worker_id, orjson.dumps(final.body)
+        request.tried.add(worker_id)
+        opened = await self.forwarder.open(
+            worker_id, request.method, request.path, request.headers, body, request.started
+        )
+        if (
+            request.conversation_id
+            and self.conversations is not None
+            and opened.rest is None
+            and opened.upstream.status == 200
+        ):
+            await self._remember(decision, worker_id, opened.first)
+        return self.forwarder.respond(
+            opened, request.request_id, lambda result: self.report(decision, result), self._debug_headers(decision)
+        )
+
+    async def _after_prefill(self, decision: Decision, legs: Legs, prefill: Leg) -> Leg:
+        """Run the prefill leg; the decode leg follows from its answer, or local recomputation when it failed."""
+        try:
+            answer = await self._prefill(decision.request, prefill)
+            final = legs.decode_leg(answer)
+            if decision.facts.conversation is not None and decision.plan.reuse_conversation:
+                self.kv_metrics.conversations.labels("reused").inc()
+            return final
+        except (UpstreamError, KVParamsError, PrefillFailed) as exc:
+            self.kv_metrics.fallbacks.labels("prefill_leg").inc()
+            log.warning(
+                "request %s: prefill leg on %s failed (%s); recomputing on %s",
+                decision.request.request_id,
+                prefill.worker_id,
+                exc,
+                decision.plan.decode,
+            )
+            return legs.fallback_leg()
+
+    async def _prefill(self, request: ParsedRequest, leg: Leg) -> Any:
+        """Run a prefill-only leg to completion; its JSON answer feeds the decode leg."""
+        opened = await self.forwarder.open(
+            leg.worker_id, "POST", request.path, request.headers, orjson.dumps(leg.body), request.started
+        )
+        try:
+            if opened.rest is not None:
+                raise PrefillFailed("the prefill leg streamed its answer")
+            if opened.upstream.status != 200:
+                raise PrefillFailed(f"status {opened.upstream.status}: {opened.first[:200]!r}")
+            try:
+                return orjson.loads(opened.first)
+            except orjson.JSONDecodeError:
+                raise PrefillFailed("the prefill leg's answer is not JSON") from None
+        finally:
+            if opened.rest is not None:
+                await opened.upstream.aclose()
+            self.registry.release(leg.worker_id)
+
+    async def _remember(self, decision: Decision, worker_id: str, raw: bytes) -> None:
+        """Keep the decoder's returned kv_transfer_params for the conversation's next turn."""
+        if b'"kv_transfer_params"' not in raw:
+            return
+        store, cid = self.conversations, decision.request.conversation_id
+        assert store is not None and cid is not None
+        try:
+            answer = orjson.loads(raw)
+            usage = answer.get("usage") or {}
+            entry = entry_from_turn(
+                worker_id,
+                answer,
+                decision.facts.keys or [],
+                int(usage.get("prompt_tokens") or 0),
+                int(usage.get("completion_tokens") or 0),
+            )
+            if entry is not None:
+                await store.put(cid, entry)
+                self.kv_metrics.conversations.labels("stored").inc()
+        except Exception as exc:  # never fail an answer that is already in hand
+            log.warning("request %s: conversation not stored: %r", decision.request.request_id, exc)
+
+    # ------------------------------------------------------------------ report
+
+    def report(self, decision: Decision, result: Result) -> None:
+        """Called once per answered request, when its last byte went out."""
+        self.outcomes.record(decision.request, decision.facts, decision.plan, result, self.policy)
+
+    def _debug_headers(self, decision: Decision) -> list[tuple[bytes, bytes]] | None:
+        if not (self.allow_debug and decision.request.wants_debug):
+            return None
+        summary = {k: v for k, v in decision.plan.to_dict().items() if k != "candidates"}
+        return [(b"x-kvroute-plan", orjson.dumps(summary))]
+
+
+def upstream_api_error(exc: UpstreamError) -> ApiError:
+    if exc.kind == "timeout":
+        return ApiError(504, f"upstream worker timed out: {exc}", "upstream_timeout")
+    return ApiError(502, f"upstream worker failed: {exc}", "upstream_error")

@@ -1,0 +1,73 @@
+"""The ASGI side of one request: reading the body with a limit, noticing when the client hangs up."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+from typing import TypeVar
+
+from kvroute.router.errors import ApiError, bad_request
+from starlette.requests import Request
+
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The client disconnected while we waited for the worker; the worker's request was cancelled."""
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The whole body, refusing (413) anything over ``limit`` bytes without buffering it."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise bad_request("invalid Content-Length header")
+        if int(declared) > limit:
+            raise _too_large(limit)
+    parts: list[bytes] = []
+    size = 0
+    receive = request.receive  # straight from the server: Request.stream() adds a generator per request
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ApiError(499, "client disconnected while sending the body", "client_closed")
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        parts.append(chunk)
+        if not message.get("more_body", False):
+            return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, f"request body is larger than the limit of {limit} bytes", "request_too_large")
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work`` but cancel it when the client hangs up (after the body was read, receive() only
+    returns on disconnect). One watcher task; the work itself runs in the current task."""
+    current = asyncio.current_task()
+    assert current is not None
+    gone = False
+    receive = request.receive
+
+    async def watch() -> None:
+        nonlocal gone
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                gone = True
+                current.cancel()
+                return
+
+    watcher = asyncio.create_task(watch())
+    try:
+        return await work
+    except asyncio.CancelledError:
+        if gone:
+            current.uncancel()
+            raise ClientGone() from None
+        raise
+    finally:
+        watcher.cancel()

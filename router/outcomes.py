@@ -1,0 +1,90 @@
+"""The last step of the request flow: what happened, told to the metrics and to the policy.
+
+Each answered request becomes a :class:`~kvroute.policies.base.RouteOutcome` for ``policy.observe`` (how
+the cost model calibrates itself on TTFT and cached tokens), and the prediction check: the plan's predicted
+cached tokens against the engine's ``usage.prompt_tokens_details.cached_tokens``; a predicted hit the
+engine did not serve is a *stale* decision.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kvroute.policies.base import Policy, RouteOutcome, RoutePlan
+from kvroute.router.facts import Facts
+from kvroute.router.forwarding import Result
+from kvroute.router.kv_metrics import KVRouteMetrics
+from kvroute.router.metrics import RouterMetrics
+from kvroute.router.requests import ParsedRequest
+
+log = logging.getLogger("kvroute.outcomes")
+
+
+class Outcomes:
+    """Records decisions and outcomes; the policy's name labels the decision histogram."""
+
+    def __init__(self, metrics: RouterMetrics, kv_metrics: KVRouteMetrics, policy_name: str) -> None:
+        self.metrics = metrics
+        self.kv = kv_metrics
+        self._decision = metrics.decision.labels(policy_name)
+
+    def decided(self, seconds: float) -> None:
+        self._decision.observe(seconds)
+
+    def record(self, request: ParsedRequest, facts: Facts, plan: RoutePlan, result: Result, policy: Policy) -> None:
+        usage = result.usage or {}
+        prompt_tokens = usage.get("prompt_tokens")
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        model = request.model or ""
+        m = self.metrics
+        if isinstance(prompt_tokens, int):
+            m.child(m.prompt_tokens, model).inc(prompt_tokens)
+        if isinstance(cached, int):
+            m.child(m.cached_tokens, model).inc(cached)
+        if result.ttfb_s is not None and request.stream:
+            m.child(m.ttft, model).observe(result.ttfb_s)
+        outcome = RouteOutcome(
+            request_id=request.request_id,
+            model=model,
+            plan=plan,
+            prompt_tokens=prompt_tokens if isinstance(prompt_tokens, int) else 0,
+            cached_tokens=cached if isinstance(cached, int) else None,
+            # Only a stream's first chunk is a time to first token; a whole JSON answer includes decoding.
+            ttft_s=result.ttfb_s if request.stream else None,
+            ok=result.ok,
+        )
+        try:
+            policy.observe(outcome)
+        except Exception:
+            log.exception("policy %s failed to observe an outcome", policy.name)
+        self._check_prediction(request, facts, plan, result, cached, policy)
+
+    def _check_prediction(
+        self,
+        request: ParsedRequest,
+        facts: Facts,
+        plan: RoutePlan,
+        result: Result,
+        reported: object,
+        policy: Policy,
+    ) -> None:
+        kv = self.kv
+        shape = "pd" if plan.disaggregated else "aggregated"
+        if plan.kv_source:
+            shape += "+p2p"
+        if plan.reuse_conversation:
+            shape += "+conversation"
+        kv.decisions.labels(plan.policy or policy.name, shape).inc()
+        if facts.keys is None or not result.ok:
+            return
+        model = request.model or ""
+        kv.predicted.labels(model).inc(plan.predicted_cached_tokens)
+        for tier, tokens in plan.predicted_by_tier.items():
+            kv.predicted_by_tier.labels(tier).inc(tokens)
+        kv.bytes_moved.inc(int(plan.breakdown.get("bytes_moved", 0)))
+        if isinstance(reported, int):
+            kv.checked.labels(model).inc()
+            kv.reported.labels(model).inc(reported)
+            if plan.predicted_cached_tokens > reported + facts.route.block_size:
+                kv.stale.labels(model).inc()

@@ -1,0 +1,289 @@
+"""One client request, parsed once into a typed, framework-free :class:`ParsedRequest`.
+
+:func:`parse_request` is the single entry of the request flow, shared by the HTTP app, the Endpoint
+Picker (which sees the request as Envoy headers and body chunks) and ``/admin/route/explain``: the
+same checks, the same sanitizing, the same answer to "what does this request ask for".
+
+The body is parsed once with orjson and only the fields the router needs are checked (``model``,
+``stream``, the prompt or messages). The raw bytes are kept: when nothing has to be rewritten they go to
+the worker untouched. What the client may not choose goes here, on every path that reaches a worker:
+its ``kv_transfer_params`` (stripped, or the request refused) and ``conversation_id`` (a router field).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import orjson
+from kvroute.router.conversations import CONVERSATION_HEADER, ConversationError, validate_conversation_id
+from kvroute.router.errors import ApiError, bad_request
+from kvroute.router.kv_params import KVParamsError, sanitize_client_body
+
+RawHeaders = Sequence[tuple[bytes, bytes]]
+ClientParamsMode = Literal["strip", "refuse"]
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+#: The routes whose prompt the router reads (tokens, index lookup, conversation reuse).
+GENERATION_ROUTES = frozenset({COMPLETIONS, CHAT})
+#: vLLM's engine-control endpoints: a client of the pool must not reset caches or put engines to sleep.
+CONTROL_PATHS = frozenset(
+    {
+        "/reset_prefix_cache",
+        "/reset_mm_cache",
+        "/sleep",
+        "/wake_up",
+        "/is_sleeping",
+        "/collective_rpc",
+        "/start_profile",
+        "/stop_profile",
+        "/scale_elastic_ep",
+        "/is_scaling_elastic_ep",
+        "/pause",
+        "/resume",
+        "/is_paused",
+        "/update_weights",
+        "/init_weight_transfer",
+        "/server_info",
+    }
+)
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+#: Never forwarded to a worker (RFC 9110 §7.6.1 hop-by-hop, plus what the client library recomputes).
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+    }
+)
+
+
+@dataclass(slots=True)
+class ParsedRequest:
+    """Everything the flow needs to know about one client request; built by :func:`parse_request`."""
+
+    request_id: str
+    method: str
+    #: Path (and query) to call on the worker.
+    path: str
+    #: Metrics label: a generation route, or "other" (never the raw path).
+    route: str
+    #: Headers for the worker: hop-by-hop removed, our X-Request-Id, identity encoding unless asked.
+    headers: list[tuple[str, str]]
+    #: The bytes to forward: the client's own, or re-encoded when a client field had to go.
+    body: bytes
+    #: The parsed JSON body (None for bodies that are not a JSON object).
+    json: dict[str, Any] | None
+    model: str | None
+    stream: bool
+    latency_class: str = "interactive"
+    #: The client asked for the plan summary header (honoured only when the router allows it).
+    wants_debug: bool = False
+    conversation_id: str | None = None
+    #: How many client ``kv_transfer_params`` keys were stripped (counted by the flow).
+    stripped_client_params: int = 0
+    started: float = field(default_factory=time.perf_counter)
+    #: Workers already tried for this request (a retry goes elsewhere).
+    tried: set[str] = field(default_factory=set)
+
+    @property
+    def generation(self) -> bool:
+        return self.route in GENERATION_ROUTES and self.json is not None
+
+    @property
+    def max_tokens(self) -> int | None:
+        data = self.json or {}
+        value = data.get("max_completion_tokens", data.get("max_tokens"))
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def request_id_from(raw: RawHeaders) -> str:
+    """The client's X-Request-Id when it is sane (it ends up in logs and in vLLM), else a new one."""
+    for key, value in raw:
+        if key == b"x-request-id":
+            given = value.decode("latin-1")
+            return given if _REQUEST_ID.match(given) else uuid.uuid4().hex
+    return uuid.uuid4().hex
+
+
+def upstream_headers(raw: RawHeaders, request_id: str) -> list[tuple[str, str]]:
+    """The client's headers minus hop-by-hop ones, with our X-Request-Id and no compression unless asked."""
+    out = [("x-request-id", request_id)]
+    encoding = False
+    for key, value in raw:
+        name = key.decode("latin-1").lower()
+        if name in HOP_BY_HOP or name == "x-request-id" or name.startswith(":"):
+            continue
+        if name == "accept-encoding":
+            encoding = True
+        out.append((name, value.decode("latin-1")))
+    if not encoding:
+        # Otherwise the HTTP client adds "gzip, deflate" and we could no longer read usage from the body.
+        out.append(("accept-encoding", "identity"))
+    return out
+
+
+def parse_request(
+    method: str,
+    path: str,
+    raw_headers: RawHeaders,
+    body: bytes,
+    *,
+    client_kv_params: ClientParamsMode = "strip",
+    request_id: str | None = None,
+) -> ParsedRequest:
+    """Check and parse one request (``path`` may carry a query). Raises :class:`ApiError` for client mistakes."""
+    bare = path.split("?", 1)[0]
+    if bare.rstrip("/") in CONTROL_PATHS:
+        raise ApiError(
+            404,
+            f"{bare} is an engine-control endpoint and is not proxied; call the worker directly",
+            "not_proxied",
+            "not_found_error",
+        )
+    request_id = request_id or request_id_from(raw_headers)
+    wanted = {k: v.decode("latin-1") for k, v in raw_headers if k in _READ_HEADERS}
+    data: dict[str, Any] | None
+    model: str | None
+    if bare in GENERATION_ROUTES:
+        data = parse_json_object(body)
+        model, stream = check_generation(data, "chat" if bare == CHAT else "completion")
+        route = bare
+    else:
+        data, model, stream = sniff_passthrough(body)
+        route = "other"
+    request = ParsedRequest(
+        request_id=request_id,
+        method=method,
+        path=path,
+        route=route,
+        headers=upstream_headers(raw_headers, request_id),
+        body=body,
+        json=data,
+        model=model,
+        stream=stream,
+        latency_class=wanted.get(b"x-kvroute-latency-class", "interactive"),
+        wants_debug=wanted.get(b"x-kvroute-debug") == "1",
+    )
+    if data is not None:
+        _take_client_fields(request, data, wanted, client_kv_params)
+    return request
+
+
+_READ_HEADERS = frozenset({b"x-kvroute-latency-class", b"x-kvroute-debug", CONVERSATION_HEADER.encode()})
+
+
+def _take_client_fields(
+    request: ParsedRequest, data: dict[str, Any], headers: dict[bytes, str], mode: ClientParamsMode
+) -> None:
+    """Clients never choose routing: their kv_transfer_params go (or the request is refused), on every
+    path; ``conversation_id`` (body field or header) is the router's, popped from generation bodies."""
+    changed = False
+    if "kv_transfer_params" in data:
+        try:
+            data, removed = sanitize_client_body(data, mode)
+        except KVParamsError as exc:
+            raise ApiError(400, str(exc), "kv_transfer_params_not_allowed") from None
+        request.stripped_client_params = len(removed) or 1
+        changed = True
+    if request.route in GENERATION_ROUTES:
+        try:
+            if "conversation_id" in data:
+                if not changed:
+                    data = dict(data)
+                given = data.pop("conversation_id")
+                changed = True
+                if given is not None:
+                    request.conversation_id = validate_conversation_id(given)
+            if request.conversation_id is None and CONVERSATION_HEADER.encode() in headers:
+                request.conversation_id = validate_conversation_id(headers[CONVERSATION_HEADER.encode()])
+        except ConversationError as exc:
+            raise ApiError(400, str(exc), "invalid_conversation_id") from None
+    if changed:
+        request.json = data
+        request.body = orjson.dumps(data)
+
+
+def parse_json_object(body: bytes) -> dict[str, Any]:
+    if not body:
+        raise bad_request("request body is empty; a JSON object is expected", "invalid_json")
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}", "invalid_json") from None
+    if not isinstance(data, dict):
+        raise bad_request("request body must be a JSON object", "invalid_json")
+    return data
+
+
+def sniff_passthrough(body: bytes) -> tuple[dict[str, Any] | None, str | None, bool]:
+    """``(data, model, stream)`` of a pass-through route's body: a JSON object when it is one (else None,
+    the body is forwarded as it is), its ``model`` (400 when not a string) and ``stream`` flag."""
+    data: dict[str, Any] | None = None
+    if body.lstrip()[:1] == b"{":
+        try:
+            parsed = orjson.loads(body)
+            data = parsed if isinstance(parsed, dict) else None
+        except orjson.JSONDecodeError:
+            data = None
+    model = data.get("model") if data else None
+    if model is not None and not isinstance(model, str):
+        raise ApiError(400, "`model` must be a string", "invalid_model")
+    return data, model or None, bool(data.get("stream")) if data else False
+
+
+def check_generation(data: dict[str, Any], kind: str) -> tuple[str, bool]:
+    """Check what routing depends on (``kind``: "completion" or "chat"); return (model, stream)."""
+    model = data.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_request("`model` is required and must be a non-empty string", "invalid_model")
+    stream = data.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise bad_request("`stream` must be a boolean", "invalid_stream")
+    if kind == "chat":
+        messages = data.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise bad_request("`messages` is required and must be a non-empty list", "invalid_messages")
+        if not all(isinstance(m, dict) for m in messages):
+            raise bad_request("each item of `messages` must be an object", "invalid_messages")
+    else:
+        prompt = data.get("prompt")
+        if prompt is None or not isinstance(prompt, str | list) or (isinstance(prompt, list) and not prompt):
+            raise bad_request("`prompt` is required (a string, a list of strings or of token ids)", "invalid_prompt")
+    for name in ("max_tokens", "max_completion_tokens", "n"):
+        value = data.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise bad_request(f"`{name}` must be a non-negative integer", f"invalid_{name}")
+    return model, stream
+
+
+def prompt_text(body: dict[str, Any]) -> str | None:
+    """The prompt as text, for text-approximate policies (chat: the messages' contents in order)."""
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        parts = []
+        for message in messages:
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, str):
+                parts.append(content)
+            elif isinstance(content, list):
+                parts.extend(p.get("text", "") for p in content if isinstance(p, dict))
+        return "\n".join(parts)
+    prompt = body.get("prompt")
+    return prompt if isinstance(prompt, str) else None

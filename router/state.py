@@ -1,0 +1,54 @@
+"""The running router's parts, built once by the composition root (:mod:`kvroute.apps.build`).
+
+The HTTP app, the admin API and the Endpoint Picker read them from here; nothing is attached later.
+:attr:`RouterState.services` are started in order when the app starts and stopped in reverse order.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvroute.config import RouterConfig
+from kvroute.indexer.service import KVIndexer
+from kvroute.policies.base import Policy
+from kvroute.router.flow import RequestFlow
+from kvroute.router.forwarding import Forwarder
+from kvroute.router.metrics import RouterMetrics
+from kvroute.router.registry import WorkerRegistry
+from kvroute.router.tokens import Tokenizers
+from kvroute.router.transport import Transport
+
+
+class Service(Protocol):
+    """Something with a lifetime inside the app's (probes, event subscribers, the EPP's gRPC server)."""
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+@dataclass(slots=True)
+class RouterState:
+    config: RouterConfig
+    registry: WorkerRegistry
+    flow: RequestFlow
+    forwarder: Forwarder
+    transport: Transport
+    metrics: RouterMetrics
+    indexer: KVIndexer
+    tokenizers: Tokenizers
+    services: Sequence[Service] = ()
+    started_at: float = field(default_factory=time.time)
+
+    @property
+    def policy(self) -> Policy:
+        return self.flow.policy
+
+    def expected_models(self) -> list[str]:
+        names = [m.name for m in self.config.models]
+        for worker in self.config.workers:
+            names.extend(worker.models)
+        return list(dict.fromkeys(names))

@@ -1,0 +1,92 @@
+"""Keeps the KV-event subscribers in step with the worker registry.
+
+New workers are subscribed once their model is known, removed workers unsubscribed (and purged from the
+index), health transitions passed to the indexer. A reconcile loop catches workers added or removed at
+run time (admin API, discovery).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from kvroute.indexer.service import KVIndexer
+from kvroute.indexer.subscriber import EventSubscriber, WorkerSpec
+from kvroute.router.registry import WorkerRegistry, WorkerState
+from kvroute.tasks import cancel_and_wait, raise_if_cancel_swallowed
+
+log = logging.getLogger("kvroute.subscriptions")
+
+#: How often the subscribers are reconciled with the registry (workers added/removed at run time).
+RECONCILE_INTERVAL_S = 1.0
+
+
+class SubscriptionSync:
+    """A :class:`~kvroute.router.state.Service`: starts the subscriber and keeps it reconciled."""
+
+    def __init__(self, registry: WorkerRegistry, subscriber: EventSubscriber, indexer: KVIndexer) -> None:
+        self.registry = registry
+        self.subscriber = subscriber
+        self.indexer = indexer
+        self._subscribed: set[str] = set()
+        self._task: asyncio.Task[None] | None = None
+
+    def on_health(self, worker_id: str, healthy: bool) -> None:
+        if healthy:
+            self.indexer.mark_up(worker_id)
+        else:
+            self.indexer.mark_down(worker_id)
+
+    def _spec(self, worker: WorkerState) -> WorkerSpec | None:
+        cfg = worker.config
+        if not cfg.kv_events and not self.subscriber.bind:
+            return None  # no event source: the worker is routed by load only
+        if not worker.models:
+            return None  # model not discovered yet: next round
+        return WorkerSpec(
+            worker_id=cfg.worker_id,
+            model=worker.models[0],
+            endpoint=cfg.kv_events,
+            topic=cfg.kv_events_topic,
+            replay=cfg.replay,
+            dp_size=cfg.dp_size,
+        )
+
+    async def reconcile(self) -> None:
+        current = {w.id: w for w in self.registry.all()}
+        for worker_id in list(self._subscribed - set(current)):
+            await self.subscriber.remove_worker(worker_id)
+            self._subscribed.discard(worker_id)
+            log.info("worker %s left the pool: unsubscribed and purged from the index", worker_id)
+        for worker_id, worker in current.items():
+            if worker_id in self._subscribed:
+                continue
+            spec = self._spec(worker)
+            if spec is None:
+                continue
+            try:
+                self.subscriber.add_worker(spec)
+            except ValueError as exc:
+                log.error("cannot subscribe to %s's KV events: %s", worker_id, exc)
+            self._subscribed.add(worker_id)
+
+    async def _run(self) -> None:
+        while True:
+            raise_if_cancel_swallowed()  # a cancel dropped by a Redis purge in reconcile() ends the loop
+            try:
+                await self.reconcile()
+            except Exception:
+                log.exception("subscriber reconciliation failed")
+            await asyncio.sleep(RECONCILE_INTERVAL_S)
+
+    async def start(self) -> None:
+        self.registry.listeners.append(self.on_health)
+        await self.reconcile()
+        await self.subscriber.start()
+        self._task = asyncio.create_task(self._run(), name="kv-subscriptions")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            await cancel_and_wait([self._task])
+            self._task = None
+        await self.subscriber.stop()
