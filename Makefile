@@ -41,15 +41,15 @@ lint: install typecheck
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-# mypy --strict over the library as the installed `kvroute` namespace: the folders are laid out under
-# build/typecheck/kvroute (symlinks) the way pyproject's package-dir maps them. PKG=kvroute.indexer narrows it.
+# mypy --strict over the library as the installed `kvroute` namespace: the folders are laid out (symlinks, in a
+# fresh folder per run) the way pyproject's package-dir maps them. PKG=kvroute.indexer narrows it.
 PKG ?= kvroute
-TYPECHECK := build/typecheck
 typecheck: install
-	@rm -rf $(TYPECHECK) && mkdir -p $(TYPECHECK)/kvroute
-	@for f in kvroute_pkg/*; do ln -s "$(CURDIR)/$$f" $(TYPECHECK)/kvroute/; done
-	@for d in router indexer policies sim; do ln -s "$(CURDIR)/$$d" $(TYPECHECK)/kvroute/$$d; done
-	cd $(TYPECHECK) && "$(CURDIR)/$(BIN)/mypy" --config-file "$(CURDIR)/pyproject.toml" -p $(PKG)
+	@mkdir -p build && tc=$$(mktemp -d build/typecheck.XXXXXX) && mkdir -p $$tc/kvroute && \
+	for f in kvroute_pkg/*; do ln -s "$(CURDIR)/$$f" $$tc/kvroute/; done && \
+	for d in router indexer policies sim; do ln -s "$(CURDIR)/$$d" $$tc/kvroute/$$d; done && \
+	cd $$tc && "$(CURDIR)/$(BIN)/mypy" --config-file "$(CURDIR)/pyproject.toml" \
+	  --cache-dir "$(CURDIR)/.mypy_cache/$(PKG)" -p $(PKG); rc=$$?; cd "$(CURDIR)"; rm -rf $$tc; exit $$rc
 
 bench: install
 	$(BIN)/python bench/proxy_overhead.py

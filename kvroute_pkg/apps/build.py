@@ -19,7 +19,7 @@ from kvroute.indexer.memory import MemoryIndex
 from kvroute.indexer.service import KVIndexer
 from kvroute.indexer.subscriber import EventSubscriber, WorkerSpec
 from kvroute.policies import Policy, create_policy
-from kvroute.policies.base import PoolContext
+from kvroute.policies.base import ModelFigures, PoolContext
 from kvroute.router.app import create_app
 from kvroute.router.conversations import ConversationStore, MemoryConversationStore, RedisConversationStore
 from kvroute.router.explain import explain_router
@@ -84,12 +84,12 @@ def spec_for(worker: WorkerConfig, model: str) -> WorkerSpec:
 def pool_context(config: RouterConfig) -> PoolContext:
     """The pool's facts for the policy: per-model figures for the cost model, the KV protocol, the links."""
     models = {
-        m.name: {
-            "prefill_tokens_per_s": m.prefill_tokens_per_s,
-            "attention_coeff_s": m.attention_coeff_s,
-            "bytes_per_token": float(m.bytes_per_token),
-            "transfer_per_block_s": m.transfer_per_block_s,
-        }
+        m.name: ModelFigures(
+            prefill_tokens_per_s=m.prefill_tokens_per_s,
+            attention_coeff_s=m.attention_coeff_s,
+            bytes_per_token=m.bytes_per_token,
+            transfer_per_block_s=m.transfer_per_block_s,
+        )
         for m in config.models
     }
     pool = config.pool

@@ -15,13 +15,14 @@ import argparse
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
 
 DEFAULT_POLICIES = ("round_robin", "least_load", "approx_text", "prefix", "kvaware")
 
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("demo", help="simulated fleet + router + agentic trace, every policy compared")
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "demo", help="simulated fleet + router + agentic trace, every policy compared"
+    )
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--preset", default="llama-8b-h100")
     p.add_argument("--sessions", type=int, default=16, help="agent sessions in the trace")

@@ -83,8 +83,8 @@ async def add_discovered_workers(config: RouterConfig, subscriber: EventSubscrib
             await asyncio.sleep(DISCOVERY_RETRY_S)
 
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    parser: argparse.ArgumentParser = subparsers.add_parser(
         "indexer",
         help="consume KV events into a shared Redis index (for many router replicas)",
         description="Subscribe to every configured worker's KV events and keep the prefix index in Redis, "

@@ -16,8 +16,8 @@ from kvroute.sim.presets import PRESETS
 ROLES = ("both", "prefill", "decode")
 
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    p: argparse.ArgumentParser = subparsers.add_parser(
         "sim",
         help="simulated vLLM workers (digital twin) for tests and benchmarks",
         description="Start N simulated vLLM workers in one process and print the "
@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         runner = asyncio.run
     try:
-        return runner(_serve(args))
+        return int(runner(_serve(args)))
     except (OSError, ValueError, zmq.ZMQError) as exc:
         print(f"kvroute sim: cannot start the fleet: {exc}", file=sys.stderr)
         return 1
