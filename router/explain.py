@@ -65,6 +65,7 @@ def explain_router() -> APIRouter:
                 {"id": v.id, "role": v.role, "load": v.load, "inflight": v.inflight, "kv_usage": v.kv_usage}
                 for v in state.registry.views(parsed.model)
             ],
+            "index": state.routing_basis(),
             "plan": decision.plan.to_dict(),
         }
 

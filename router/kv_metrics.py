@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 
 class KVRouteMetrics:
@@ -49,6 +49,16 @@ class KVRouteMetrics:
             "kvroute_kv_fallbacks_total",
             "Requests whose KV plan fell back (index down, tokenizer failed, prefill leg failed)",
             ["reason"],
+            registry=r,
+        )
+        self.event_sources = Gauge(
+            "kvroute_kv_event_sources",
+            "Workers whose KV events this router subscribes to (0 with workers: routing by load only)",
+            registry=r,
+        )
+        self.load_only_workers = Gauge(
+            "kvroute_workers_without_kv_events",
+            "Workers routed by load only: no KV-event source configured or discovered",
             registry=r,
         )
         self.client_params = Counter(

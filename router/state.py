@@ -18,6 +18,7 @@ from kvroute.router.flow import RequestFlow
 from kvroute.router.forwarding import Forwarder
 from kvroute.router.metrics import RouterMetrics
 from kvroute.router.registry import WorkerRegistry
+from kvroute.router.subscriptions import SubscriptionSync
 from kvroute.router.tokens import Tokenizers
 from kvroute.router.transport import Transport
 
@@ -40,12 +41,22 @@ class RouterState:
     metrics: RouterMetrics
     indexer: KVIndexer
     tokenizers: Tokenizers
+    #: The embedded event subscription (None when another process keeps a shared index).
+    subscriptions: SubscriptionSync | None = None
     services: Sequence[Service] = ()
     started_at: float = field(default_factory=time.time)
 
     @property
     def policy(self) -> Policy:
         return self.flow.policy
+
+    def routing_basis(self) -> dict[str, object]:
+        """What the KV-aware decision can see: per worker, KV events or load only."""
+        if self.subscriptions is not None:
+            return self.subscriptions.routing_basis()
+        if not self.config.index.subscribe:
+            return {"routing": "kv_cache: shared index kept by another process (index.subscribe: false)"}
+        return {"routing": "load_only: no event subscription"}
 
     def expected_models(self) -> list[str]:
         names = [m.name for m in self.config.models]

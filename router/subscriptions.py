@@ -12,6 +12,7 @@ import logging
 
 from kvroute.indexer.service import KVIndexer
 from kvroute.indexer.subscriber import EventSubscriber, WorkerSpec
+from kvroute.router.kv_metrics import KVRouteMetrics
 from kvroute.router.registry import WorkerRegistry, WorkerState
 from kvroute.tasks import cancel_and_wait, raise_if_cancel_swallowed
 
@@ -24,10 +25,13 @@ RECONCILE_INTERVAL_S = 1.0
 class SubscriptionSync:
     """A :class:`~kvroute.router.state.Service`: starts the subscriber and keeps it reconciled."""
 
-    def __init__(self, registry: WorkerRegistry, subscriber: EventSubscriber, indexer: KVIndexer) -> None:
+    def __init__(
+        self, registry: WorkerRegistry, subscriber: EventSubscriber, indexer: KVIndexer, metrics: KVRouteMetrics
+    ) -> None:
         self.registry = registry
         self.subscriber = subscriber
         self.indexer = indexer
+        self.metrics = metrics
         self._subscribed: set[str] = set()
         self._task: asyncio.Task[None] | None = None
 
@@ -69,6 +73,18 @@ class SubscriptionSync:
             except ValueError as exc:
                 log.error("cannot subscribe to %s's KV events: %s", worker_id, exc)
             self._subscribed.add(worker_id)
+        self.metrics.event_sources.set(len(self._subscribed))
+        self.metrics.load_only_workers.set(len(set(current) - self._subscribed))
+
+    def routing_basis(self) -> dict[str, object]:
+        """Which workers are routed by their KV cache and which by load only (for explain)."""
+        workers = {w.id for w in self.registry.all()}
+        subscribed = sorted(self._subscribed & workers)
+        return {
+            "kv_events": subscribed,
+            "load_only": sorted(workers - self._subscribed),
+            "routing": "kv_cache" if subscribed else "load_only: no worker's KV events are received",
+        }
 
     async def _run(self) -> None:
         while True:

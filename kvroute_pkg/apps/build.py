@@ -175,14 +175,16 @@ def build_state(
         debug_headers=c.debug_headers,
     )
     services: list[Service] = [registry]
+    subscriptions = None
     if c.index.subscribe:
-        services.append(SubscriptionSync(registry, make_subscriber(c, indexer), indexer))
+        subscriptions = SubscriptionSync(registry, make_subscriber(c, indexer), indexer, kv_metrics)
+        services.append(subscriptions)
     services.append(Closing("tokenizer client", tokenize_client.aclose))
     if conversations is not None:
         services.append(Closing("conversation store", conversations.close))
     services.append(Closing("index backend", indexer.backend.close))
     services.append(Closing("upstream transport", transport.aclose))
-    state = RouterState(c, registry, flow, forwarder, transport, metrics, indexer, tokenizers)
+    state = RouterState(c, registry, flow, forwarder, transport, metrics, indexer, tokenizers, subscriptions)
     state.services = [*services, *(make(state) for make in extra_services)]
     return state
 

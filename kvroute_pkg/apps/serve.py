@@ -37,7 +37,9 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="worker base URL (repeatable); replaces the config file's worker list",
     )
-    parser.add_argument("--policy", help="routing policy by name (round_robin, least_load, ...)")
+    parser.add_argument(
+        "--policy", help="routing policy by name (default kvaware; round_robin, least_load, prefix, ...)"
+    )
     parser.add_argument("--host", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="port to bind (default 8000)")
     parser.add_argument("--admin-token", help="bearer token required by /admin (default: none)")

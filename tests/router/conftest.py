@@ -21,6 +21,7 @@ async def run_router(
 ) -> AsyncIterator[tuple[str, Any]]:
     """A router app served by uvicorn; yields (base URL, app). ``impl``: a policy instance to use."""
     specs = [w if isinstance(w, dict) else {"url": w} for w in workers]
+    settings.setdefault("policy", "round_robin")  # the proxy mechanics tests want a predictable spread
     settings.setdefault("health_interval_s", 0.1)
     settings.setdefault("metrics_interval_s", 0.1)
     config = RouterConfig.model_validate({"workers": specs, **settings})

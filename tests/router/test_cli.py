@@ -138,4 +138,4 @@ def test_sample_deploy_configs_are_valid() -> None:
     assert [w.worker_id for w in config.workers] == ["vllm-0", "vllm-1"]
     docs = list(yaml.safe_load_all((root / "k8s.yaml").read_text()))
     embedded = next(d for d in docs if d["kind"] == "ConfigMap")["data"]["kvroute.yaml"]
-    assert RouterConfig.model_validate(yaml.safe_load(embedded)).policy == "least_load"
+    assert RouterConfig.model_validate(yaml.safe_load(embedded)).policy == "kvaware"
