@@ -45,12 +45,15 @@ class LookupBody(BaseModel):
         return self
 
 
-def _bearer(token: str | None) -> Callable[[Request], Awaitable[None]]:
+def _bearer(token: str | Callable[[], str | None] | None) -> Callable[[Request], Awaitable[None]]:
+    """``token`` may be a callable, read on each request (a reloaded config can change it)."""
+
     async def check(request: Request) -> None:
-        if not token:
+        token_now = token() if callable(token) else token
+        if not token_now:
             return
         scheme, _, value = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), token.encode()):
+        if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), token_now.encode()):
             raise HTTPException(
                 401,
                 "admin endpoints need 'Authorization: Bearer <admin token>'",
@@ -78,7 +81,9 @@ def _parse_key(raw: str) -> int:
     return key
 
 
-def index_admin_router(indexer: KVIndexer, token: str | None = None, tokenize: Tokenize | None = None) -> APIRouter:
+def index_admin_router(
+    indexer: KVIndexer, token: str | Callable[[], str | None] | None = None, tokenize: Tokenize | None = None
+) -> APIRouter:
     """The index admin API over ``indexer``; ``tokenize`` enables ``prompt``/``messages`` lookups."""
     router = APIRouter(tags=["index"])
     guarded = [Depends(_bearer(token))]

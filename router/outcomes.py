@@ -28,6 +28,10 @@ class Outcomes:
         self.kv = kv_metrics
         self._decision = metrics.decision.labels(policy_name)
 
+    def relabel(self, policy_name: str) -> None:
+        """A reloaded config swapped the policy in: decisions are counted under its name from now on."""
+        self._decision = self.metrics.decision.labels(policy_name)
+
     def decided(self, seconds: float) -> None:
         self._decision.observe(seconds)
 

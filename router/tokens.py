@@ -381,6 +381,15 @@ class Tokenizers:
         local = {m.name: (m.tokenizer, m.chat_template) for m in models if getattr(m, "tokenizer", None)}
         return cls(client, worker_url_for, local)
 
+    def update_models(self, models: Sequence[Any]) -> list[str]:
+        """Take a reloaded config's models: sources whose tokenizer changed are rebuilt on next use."""
+        local = {m.name: (m.tokenizer, m.chat_template) for m in models if getattr(m, "tokenizer", None)}
+        changed = [n for n in set(local) | set(self._local_specs) if local.get(n) != self._local_specs.get(n)]
+        self._local_specs = local
+        for name in changed:
+            self._sources.pop(name, None)
+        return sorted(changed)
+
     def source(self, model: str) -> TokenSource:
         src = self._sources.get(model)
         if src is not None:

@@ -198,5 +198,8 @@ def build_app(
 ) -> Starlette:
     """The full router app (``kvroute serve``): state + HTTP surface + admin (index, explain)."""
     state = build_state(config, policy=policy, transport=transport, extra_services=extra_services)
-    admin = [index_admin_router(state.indexer, config.admin_token, state.tokenizers.tokenize), explain_router()]
+    admin = [
+        index_admin_router(state.indexer, lambda: state.config.admin_token, state.tokenizers.tokenize),
+        explain_router(),
+    ]
     return create_app(state, admin_routers=admin)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -128,8 +129,15 @@ def run_router(
 
     level = config.log_level.lower()
     setup_logging(level)
+    services = list(extra_services(config)) if extra_services else []
+    path = args.config or os.environ.get("KVROUTE_CONFIG")
+    if path:  # SIGHUP or a change of the file reloads it (kvroute.apps.reload)
+        from kvroute.apps.reload import ConfigReloader
+
+        overrides = overrides_from(args)
+        services.append(lambda state: ConfigReloader(state, path, overrides))
     try:
-        app = build_app(config, extra_services=extra_services(config) if extra_services else ())
+        app = build_app(config, extra_services=services)
     except (KeyError, TypeError, ValueError) as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2
