@@ -18,10 +18,10 @@ In P/D pools the prefill worker is chosen this way and the decode worker by leas
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from kvroute.policies.base import Policy, RoutePlan, RouteRequest, WorkerView, split_roles
 from kvroute.policies.least_load import least_loaded
+from kvroute.policies.options import as_float, as_int, refuse_unknown
 from kvroute.policies.registry import register_policy
 from kvroute.policies.text_tree import TextTree
 
@@ -31,44 +31,50 @@ class ApproxTextPolicy(Policy):
     name = "approx_text"
     needs_text = True
 
-    def __init__(self, **options: Any) -> None:
+    def __init__(self, **options: object) -> None:
         super().__init__(**options)
-        known = {"cache_threshold", "balance_abs_threshold", "balance_rel_threshold", "max_tree_size"}
-        unknown = set(options) - known
-        if unknown:
-            raise ValueError(f"unknown approx_text options {sorted(unknown)}; known: {sorted(known)}")
-        self.cache_threshold = float(options.get("cache_threshold", 0.3))
-        self.balance_abs = float(options.get("balance_abs_threshold", 64))
-        self.balance_rel = float(options.get("balance_rel_threshold", 1.5))
-        self.max_tree_size = int(options.get("max_tree_size", 1 << 26))
+        known = ("cache_threshold", "balance_abs_threshold", "balance_rel_threshold", "max_tree_size")
+        refuse_unknown(self.name, options, known)
+        self.cache_threshold = as_float(options.get("cache_threshold", 0.3), "cache_threshold")
+        self.balance_abs = as_float(options.get("balance_abs_threshold", 64), "balance_abs_threshold")
+        self.balance_rel = as_float(options.get("balance_rel_threshold", 1.5), "balance_rel_threshold")
+        self.max_tree_size = as_int(options.get("max_tree_size", 1 << 26), "max_tree_size")
         if not 0 <= self.cache_threshold <= 1 or self.max_tree_size < 1:
             raise ValueError("cache_threshold must be in [0, 1] and max_tree_size >= 1")
         self.tree = TextTree()
 
     def choose(self, request: RouteRequest, workers: Sequence[WorkerView]) -> RoutePlan:
+        """The plan, then the text goes into the chosen worker's tree (SGLang's insert on route)."""
         prefill, decode = split_roles(workers)
         text = request.prompt_text or ""
-        loads = [w.load for w in prefill]
-        hi, lo = max(loads), min(loads)
-        if hi - lo > self.balance_abs and hi > self.balance_rel * lo:
-            p = least_loaded(prefill)
-            reason = f"imbalanced (loads {lo}..{hi}): least loaded"
-        else:
-            ids = {w.id for w in prefill}
-            matches = {t: n for t, n in self.tree.match(text).items() if t in ids}
-            best = max(sorted(matches), key=lambda t: matches[t], default=None)
-            rate = matches[best] / len(text) if best is not None and text else 0.0
-            if best is not None and rate > self.cache_threshold:
-                p = next(w for w in prefill if w.id == best)
-                reason = f"text match {rate:.0%} > {self.cache_threshold:.0%}"
-            else:
-                p = min(prefill, key=lambda w: (self.tree.size(w.id), w.load, w.id))
-                reason = f"text match {rate:.0%}: smallest tree"
+        p, reason = self._prefill(prefill, text)
         if text:
             self.tree.insert(text, p.id)
             self.tree.evict(p.id, self.max_tree_size)
         d = p if p.can_decode else least_loaded(decode)
         return RoutePlan(prefill=p.id, decode=d.id, reason=reason, policy=self.name)
+
+    def explain(self, request: RouteRequest, workers: Sequence[WorkerView]) -> RoutePlan:
+        """The plan :meth:`choose` would return; the tree is matched, not written."""
+        prefill, decode = split_roles(workers)
+        p, reason = self._prefill(prefill, request.prompt_text or "")
+        d = p if p.can_decode else least_loaded(decode)
+        return RoutePlan(prefill=p.id, decode=d.id, reason=reason, policy=self.name)
+
+    def _prefill(self, prefill: list[WorkerView], text: str) -> tuple[WorkerView, str]:
+        """The prefill worker for ``text`` and why (reads the tree only)."""
+        loads = [w.load for w in prefill]
+        hi, lo = max(loads), min(loads)
+        if hi - lo > self.balance_abs and hi > self.balance_rel * lo:
+            return least_loaded(prefill), f"imbalanced (loads {lo}..{hi}): least loaded"
+        ids = {w.id for w in prefill}
+        matches = {t: n for t, n in self.tree.match(text).items() if t in ids}
+        best = max(sorted(matches), key=lambda t: matches[t], default=None)
+        rate = matches[best] / len(text) if best is not None and text else 0.0
+        if best is not None and rate > self.cache_threshold:
+            return next(w for w in prefill if w.id == best), f"text match {rate:.0%} > {self.cache_threshold:.0%}"
+        p = min(prefill, key=lambda w: (self.tree.size(w.id), w.load, w.id))
+        return p, f"text match {rate:.0%}: smallest tree"
 
     def forget_worker(self, worker_id: str) -> None:
         """Drop a worker's tree (call when it leaves the pool)."""

@@ -3,17 +3,20 @@
 Policies never do I/O. The router gathers the facts (healthy workers and their load, the index's
 prefix matches when the policy asks for them) into a :class:`RouteRequest`, calls
 :meth:`Policy.choose`, and carries the :class:`RoutePlan` out. After the answer it reports a
-:class:`RouteOutcome` so policies that learn (the cost model) can calibrate.
+:class:`RouteOutcome` so policies that learn (the cost model) can calibrate. :meth:`Policy.explain`
+is the same decision as a dry run (``/admin/route/explain``): it must leave the policy as it found it.
 """
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 from kvroute.indexer.backend import WorkerMatch
+from kvroute.policies.options import as_float, as_int, refuse_unknown
 from kvroute.vocabulary import KVProtocol, Role
 
 
@@ -156,16 +159,80 @@ class RouteOutcome:
 
 
 @dataclass(slots=True, frozen=True)
+class ModelFigures:
+    """One model's compute and size figures, in the one shape they keep from the config
+    (``ModelConfig``) through :class:`PoolContext` to the cost model (``CostParams.model``)."""
+
+    #: Uncached prompt tokens one worker prefills per second (short context).
+    prefill_tokens_per_s: float = 10_000.0
+    #: Extra seconds per uncached token per 1k tokens of context it attends to (the quadratic part).
+    attention_coeff_s: float = 0.0
+    #: KV bytes per token: 2 x layers x kv_heads x head_dim x dtype bytes (Qwen3-32B bf16: 262144).
+    bytes_per_token: int = 131_072
+    #: Seconds per KV block moved between workers on top of bytes / bandwidth: NIXL posts one descriptor
+    #: per layer x (K, V) x block when blocks are not contiguous (~2.4 us each measured on EFA, so
+    #: ~0.3 ms per block for a 64-layer model). 0 = transfers cost bytes / bandwidth only.
+    transfer_per_block_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.prefill_tokens_per_s > 0 or not self.bytes_per_token > 0:
+            raise ValueError("prefill_tokens_per_s and bytes_per_token must be > 0")
+        if self.attention_coeff_s < 0 or self.transfer_per_block_s < 0:
+            raise ValueError("attention_coeff_s and transfer_per_block_s must be >= 0")
+
+    @classmethod
+    def from_mapping(cls, figures: Mapping[str, object], base: ModelFigures | None = None) -> ModelFigures:
+        """``base`` (else the defaults) with the figures a config mapping names; unknown keys are refused.
+
+        Policy options name per-model figures as partial mappings (``{"m": {"prefill_tokens_per_s": ...}}``).
+        """
+        base = base if base is not None else cls()
+        refuse_unknown("model figure", figures, _FIGURE_NAMES)
+        get = figures.get
+        return cls(
+            prefill_tokens_per_s=as_float(
+                get("prefill_tokens_per_s", base.prefill_tokens_per_s), "prefill_tokens_per_s"
+            ),
+            attention_coeff_s=as_float(get("attention_coeff_s", base.attention_coeff_s), "attention_coeff_s"),
+            bytes_per_token=as_int(get("bytes_per_token", base.bytes_per_token), "bytes_per_token"),
+            transfer_per_block_s=as_float(
+                get("transfer_per_block_s", base.transfer_per_block_s), "transfer_per_block_s"
+            ),
+        )
+
+
+_FIGURE_NAMES = frozenset(f.name for f in fields(ModelFigures))
+
+
+@dataclass(slots=True, frozen=True)
 class PoolContext:
     """What the router knows about the pool that a policy may use: per-model cost figures from the
     config, and the pool's KV-transfer protocol (which plans can be carried out at all)."""
 
-    models: dict[str, dict[str, float]] = field(default_factory=dict)
+    models: Mapping[str, ModelFigures] = field(default_factory=dict)
     kv_protocol: KVProtocol = "none"
     kv_recompute_threshold: int = 64
     #: The KV link between workers, when the config states it (None: the policy's own default).
     link_bytes_per_s: float | None = None
     transfer_setup_s: float | None = None
+
+    def __post_init__(self) -> None:
+        # Plain mappings of figures (the shape composition roots used to build) are still taken.
+        untyped: Mapping[str, object] = self.models
+        if any(not isinstance(f, ModelFigures) for f in untyped.values()):
+            typed = {name: _figures(name, f) for name, f in untyped.items()}
+            object.__setattr__(self, "models", typed)
+
+
+def _figures(name: str, figures: object) -> ModelFigures:
+    if isinstance(figures, ModelFigures):
+        return figures
+    if not isinstance(figures, Mapping):
+        raise ValueError(f"models[{name!r}] must be ModelFigures or a mapping of figures, got {figures!r}")
+    try:
+        return ModelFigures.from_mapping(figures)
+    except ValueError as exc:
+        raise ValueError(f"models[{name!r}]: {exc}") from None
 
 
 class NoWorkerError(RuntimeError):
@@ -173,7 +240,12 @@ class NoWorkerError(RuntimeError):
 
 
 class Policy(ABC):
-    """A routing policy. Subclasses set ``name`` and implement :meth:`choose`."""
+    """A routing policy. Subclasses set ``name`` and implement :meth:`choose`; policies with state
+    (counters, trees, learnt estimates) also implement :meth:`explain` without touching it.
+
+    ``options`` are config values (``policy_options``: YAML/JSON scalars, lists, mappings); each
+    policy checks the ones it knows and refuses the rest with a ``ValueError``.
+    """
 
     name: ClassVar[str] = ""
     #: The router tokenizes the prompt and looks the prefix up in the index only for policies asking.
@@ -181,17 +253,26 @@ class Policy(ABC):
     #: The router passes the prompt text (for text-approximate policies).
     needs_text: ClassVar[bool] = False
 
-    def __init__(self, **options: Any) -> None:
+    def __init__(self, **options: object) -> None:
         self.options = options
 
     @classmethod
-    def for_pool(cls, pool: PoolContext, **options: Any) -> Policy:
+    def for_pool(cls, pool: PoolContext, **options: object) -> Policy:
         """Build the policy for a pool. Policies that use the pool's facts override this."""
         return cls(**options)
 
     @abstractmethod
     def choose(self, request: RouteRequest, workers: Sequence[WorkerView]) -> RoutePlan:
         """Pick a plan among ``workers`` (all healthy, serving the model); NoWorkerError if none fits."""
+
+    def explain(self, request: RouteRequest, workers: Sequence[WorkerView]) -> RoutePlan:
+        """A dry run: the plan :meth:`choose` would return now, with every candidate the policy weighed,
+        changing no policy state (the next ``choose`` is as if this call never happened).
+
+        The default runs ``choose`` on a deep copy, which is right for any policy whose state copies;
+        the built-in policies override it with a read-only path.
+        """
+        return copy.deepcopy(self).choose(request, workers)
 
     def observe(self, outcome: RouteOutcome) -> None:  # noqa: B027 - optional hook
         """Learn from an outcome. The default ignores it."""

@@ -22,11 +22,13 @@ Everything is pure bookkeeping; the only clock is the injectable ``now`` used fo
 
 from __future__ import annotations
 
+import inspect
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvroute.policies.base import RouteOutcome
 
@@ -81,6 +83,16 @@ class Calibrator:
         self._hit_ratio = 1.0
         self._recent: deque[tuple[float, bool]] = deque()
         self.feedback = Feedback()
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, object]) -> Calibrator:
+        """From the ``calibration`` policy option (config values); unknown keys are refused."""
+        known = set(inspect.signature(cls).parameters)
+        unknown = set(options) - known
+        if unknown:
+            raise ValueError(f"unknown calibration options {sorted(unknown)}; known: {sorted(known)}")
+        untyped: dict[str, Any] = dict(options)  # config values meet typed parameters; __init__ checks them
+        return cls(**untyped)
 
     # -- estimates the cost model reads ------------------------------------------------------------
 

@@ -6,26 +6,14 @@ the prefill speed and service time are calibrated online anyway. Units are in th
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, get_args
 
+from kvroute.policies.base import ModelFigures
 from kvroute.vocabulary import KVProtocol
 
-
-@dataclass(slots=True, frozen=True)
-class ModelCost:
-    """Per-model compute and size facts."""
-
-    #: Uncached prompt tokens one worker prefills per second (short context).
-    prefill_tokens_per_s: float = 10_000.0
-    #: Extra seconds per uncached token per 1k tokens of context it attends to (the quadratic part).
-    attention_coeff_s: float = 0.0
-    #: KV bytes per token: 2 x layers x kv_heads x head_dim x dtype bytes (Qwen3-32B bf16: 262144).
-    bytes_per_token: int = 131_072
-    #: Seconds per KV block moved between workers on top of bytes / bandwidth: NIXL posts one descriptor
-    #: per layer x (K, V) x block when blocks are not contiguous (~2.4 us each measured on EFA, so
-    #: ~0.3 ms per block for a 64-layer model). 0 = transfers cost bytes / bandwidth only.
-    transfer_per_block_s: float = 0.0
+_PROTOCOLS: tuple[str, ...] = get_args(KVProtocol)
 
 
 def _default_still_there() -> dict[str, float]:
@@ -36,11 +24,13 @@ def _default_still_there() -> dict[str, float]:
 class CostParams:
     """All options of the ``kvaware`` policy. See docs/routing.md for the model they feed."""
 
-    #: Defaults for every model; ``models`` overrides them per model name.
+    #: Defaults for every model; ``models`` overrides them per model name: complete
+    #: :class:`~kvroute.policies.base.ModelFigures` (the pool's config), or a mapping naming some figures
+    #: (policy options), the others from these defaults (``transfer_per_block_s``: 0).
     prefill_tokens_per_s: float = 10_000.0
     attention_coeff_s: float = 0.0
     bytes_per_token: int = 131_072
-    models: dict[str, dict[str, float]] = field(default_factory=dict)
+    models: Mapping[str, ModelFigures | Mapping[str, object]] = field(default_factory=dict)
     #: Network bandwidth between workers, bytes/s: per directed link "src->dst", else the default.
     default_bandwidth_bytes_per_s: float = 12.5e9
     link_bandwidth_bytes_per_s: dict[str, float] = field(default_factory=dict)
@@ -92,8 +82,11 @@ class CostParams:
     explain_limit: int = 8
     #: Online calibration (EWMA weight, stale tolerance, window) and the tier policy (tier_policy.TierPolicy).
     calibrate: bool = True
-    calibration: dict[str, Any] = field(default_factory=dict)
-    tier_policy: dict[str, Any] = field(default_factory=dict)
+    calibration: dict[str, object] = field(default_factory=dict)
+    tier_policy: dict[str, object] = field(default_factory=dict)
+    #: ``models`` resolved, and the figures of any other model (built in ``__post_init__``).
+    _figures: dict[str, ModelFigures] = field(init=False, repr=False, default_factory=dict)
+    _default_figures: ModelFigures = field(init=False, repr=False, default_factory=ModelFigures)
 
     def __post_init__(self) -> None:
         for name in (
@@ -123,8 +116,8 @@ class CostParams:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if self.bytes_per_token <= 0:
             raise ValueError("bytes_per_token must be > 0")
-        if self.kv_protocol not in ("none", "p2p", "nixl"):
-            raise ValueError(f"kv_protocol must be none|p2p|nixl, got {self.kv_protocol!r}")
+        if self.kv_protocol not in _PROTOCOLS:
+            raise ValueError(f"kv_protocol must be {'|'.join(_PROTOCOLS)}, got {self.kv_protocol!r}")
         if self.max_sources < 0 or self.explain_limit < 1 or self.max_pending < 0:
             raise ValueError("max_sources and max_pending must be >= 0 and explain_limit >= 1")
         merged = _default_still_there()
@@ -135,33 +128,36 @@ class CostParams:
         for link, bw in self.link_bandwidth_bytes_per_s.items():
             if "->" not in link or not bw > 0:
                 raise ValueError(f"link_bandwidth_bytes_per_s[{link!r}] must be keyed 'src->dst' and > 0")
-        for name, override in self.models.items():
-            unknown = set(override) - {f.name for f in fields(ModelCost)}
-            if unknown:
-                raise ValueError(f"models[{name!r}] has unknown keys {sorted(unknown)}")
-            self.model(name)  # validates the values
+        self._default_figures = ModelFigures(
+            prefill_tokens_per_s=float(self.prefill_tokens_per_s),
+            attention_coeff_s=float(self.attention_coeff_s),
+            bytes_per_token=int(self.bytes_per_token),
+        )
+        self._figures = {name: self._resolve(name, figures) for name, figures in self.models.items()}
+
+    def _resolve(self, name: str, figures: object) -> ModelFigures:
+        if isinstance(figures, ModelFigures):
+            return figures
+        if not isinstance(figures, Mapping):
+            raise ValueError(f"models[{name!r}] must be a mapping of figures, got {figures!r}")
+        try:
+            return ModelFigures.from_mapping(figures, self._default_figures)
+        except ValueError as exc:
+            raise ValueError(f"models[{name!r}]: {exc}") from None
 
     @classmethod
-    def from_options(cls, options: dict[str, Any]) -> CostParams:
-        known = {f.name for f in fields(cls)}
+    def from_options(cls, options: Mapping[str, object]) -> CostParams:
+        known = {f.name for f in fields(cls) if f.init}
         unknown = set(options) - known
         if unknown:
             raise ValueError(f"unknown kvaware options {sorted(unknown)}; known: {sorted(known)}")
-        return cls(**options)
+        # Config values meet typed fields here; __post_init__ checks every one it relies on.
+        untyped: dict[str, Any] = dict(options)
+        return cls(**untyped)
 
-    def model(self, name: str) -> ModelCost:
-        override = self.models.get(name, {})
-        cost = ModelCost(
-            prefill_tokens_per_s=float(override.get("prefill_tokens_per_s", self.prefill_tokens_per_s)),
-            attention_coeff_s=float(override.get("attention_coeff_s", self.attention_coeff_s)),
-            bytes_per_token=int(override.get("bytes_per_token", self.bytes_per_token)),
-            transfer_per_block_s=float(override.get("transfer_per_block_s", 0.0)),
-        )
-        if cost.prefill_tokens_per_s <= 0 or cost.attention_coeff_s < 0 or cost.bytes_per_token <= 0:
-            raise ValueError(f"model {name!r}: prefill_tokens_per_s and bytes_per_token must be > 0")
-        if cost.transfer_per_block_s < 0:
-            raise ValueError(f"model {name!r}: transfer_per_block_s must be >= 0")
-        return cost
+    def model(self, name: str) -> ModelFigures:
+        """The figures of model ``name`` (the defaults for a model without its own)."""
+        return self._figures.get(name, self._default_figures)
 
     def bandwidth(self, src: str, dst: str) -> float:
         if not self.link_bandwidth_bytes_per_s:  # the common case: skip building the key

@@ -22,3 +22,7 @@ class LeastLoad(Policy):
         p = least_loaded(prefill)
         d = p if p.can_decode else least_loaded(decode)
         return RoutePlan(prefill=p.id, decode=d.id, reason=f"least load ({p.load} outstanding)", policy=self.name)
+
+    def explain(self, request: RouteRequest, workers: Sequence[WorkerView]) -> RoutePlan:
+        """Stateless: the dry run is the decision itself."""
+        return self.choose(request, workers)

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from typing import Any
 
 from kvroute.policies.base import NoWorkerError, Policy, RoutePlan, RouteRequest, WorkerView
+from kvroute.policies.options import as_float, as_int, refuse_unknown
 from kvroute.policies.registry import register_policy
 
 
@@ -43,22 +43,34 @@ class PrefixPolicy(Policy):
     name = "prefix"
     needs_index = True
 
-    def __init__(self, **options: Any) -> None:
+    def __init__(self, **options: object) -> None:
         super().__init__(**options)
-        known = {"prefix_weight", "queue_weight", "kv_weight", "pd_threshold_tokens", "queue_signal", "seed"}
-        unknown = set(options) - known
-        if unknown:
-            raise ValueError(f"unknown prefix options {sorted(unknown)}; known: {sorted(known)}")
-        self.prefix_weight = float(options.get("prefix_weight", 3.0))
-        self.queue_weight = float(options.get("queue_weight", 2.0))
-        self.kv_weight = float(options.get("kv_weight", 2.0))
-        self.pd_threshold = int(options.get("pd_threshold_tokens", 512))
+        known = ("prefix_weight", "queue_weight", "kv_weight", "pd_threshold_tokens", "queue_signal", "seed")
+        refuse_unknown(self.name, options, known)
+        self.prefix_weight = as_float(options.get("prefix_weight", 3.0), "prefix_weight")
+        self.queue_weight = as_float(options.get("queue_weight", 2.0), "queue_weight")
+        self.kv_weight = as_float(options.get("kv_weight", 2.0), "kv_weight")
+        self.pd_threshold = as_int(options.get("pd_threshold_tokens", 512), "pd_threshold_tokens")
         self.queue_signal = str(options.get("queue_signal", "waiting"))
         if self.queue_signal not in ("waiting", "load"):
             raise ValueError("queue_signal must be 'waiting' or 'load'")
-        self._rng = random.Random(options.get("seed", 0))
+        seed = options.get("seed", 0)
+        if seed is not None and not isinstance(seed, int | float | str | bytes | bytearray):
+            raise ValueError(f"seed must be a number or a string, got {seed!r}")
+        self._rng = random.Random(seed)
 
-    def _pick(self, request: RouteRequest, workers: Sequence[WorkerView]) -> tuple[WorkerView, float]:
+    def choose(self, request: RouteRequest, workers: Sequence[WorkerView]) -> RoutePlan:
+        return self._decide(request, workers, self._rng)
+
+    def explain(self, request: RouteRequest, workers: Sequence[WorkerView]) -> RoutePlan:
+        """The plan :meth:`choose` would return: ties are broken by a copy of the tie-breaking RNG."""
+        rng = random.Random()
+        rng.setstate(self._rng.getstate())
+        return self._decide(request, workers, rng)
+
+    def _pick(
+        self, request: RouteRequest, workers: Sequence[WorkerView], rng: random.Random
+    ) -> tuple[WorkerView, float]:
         total_blocks = max(1, (request.prompt_tokens or 0) // max(1, request.block_size))
         queue = queue_scores(workers, self.queue_signal)
         scored = []
@@ -70,15 +82,15 @@ class PrefixPolicy(Policy):
             scored.append((total, w))
         top = max(s for s, _ in scored)
         ties = [w for s, w in scored if s >= top - 1e-12]
-        return self._rng.choice(sorted(ties, key=lambda w: w.id)), top
+        return rng.choice(sorted(ties, key=lambda w: w.id)), top
 
-    def choose(self, request: RouteRequest, workers: Sequence[WorkerView]) -> RoutePlan:
+    def _decide(self, request: RouteRequest, workers: Sequence[WorkerView], rng: random.Random) -> RoutePlan:
         healthy = [w for w in workers if w.healthy]
         decoders = [w for w in healthy if w.can_decode]
         prefillers = [w for w in healthy if w.role == "prefill"]
         if not decoders:
             raise NoWorkerError("no healthy worker for this model" if not healthy else "no decode-capable worker")
-        d, score = self._pick(request, decoders)
+        d, score = self._pick(request, decoders, rng)
         if not prefillers:
             return self._plan(request, d, d, f"max score {score:.2f}")
         match = request.matches.get(d.id)
@@ -86,7 +98,7 @@ class PrefixPolicy(Policy):
         uncached = (request.prompt_tokens or 0) - cached
         if uncached <= self.pd_threshold:
             return self._plan(request, d, d, f"{uncached} uncached tokens <= threshold: decode only")
-        p, pscore = self._pick(request, prefillers)
+        p, pscore = self._pick(request, prefillers, rng)
         reason = f"P/D split: {uncached} uncached tokens; scores {pscore:.2f}/{score:.2f}"
         return self._plan(request, p, d, reason)
 

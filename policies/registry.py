@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from importlib.metadata import entry_points
-from typing import Any
 
 from kvroute.policies.base import Policy, PoolContext
 
@@ -37,7 +36,7 @@ def available_policies() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def create_policy(name: str, pool: PoolContext | None = None, **options: Any) -> Policy:
+def create_policy(name: str, pool: PoolContext | None = None, **options: object) -> Policy:
     """A new policy instance; unknown names raise KeyError listing what exists.
 
     With ``pool``, the policy is built through :meth:`Policy.for_pool` so it can use the pool's facts.

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 
 from kvroute.policies.base import Policy, RoutePlan, RouteRequest, WorkerView, split_roles
@@ -15,11 +14,21 @@ class RoundRobin(Policy):
 
     def __init__(self, **options: object) -> None:
         super().__init__(**options)
-        self._counter = itertools.count()
+        #: Decisions made so far: the next one takes worker ``turn mod n``.
+        self._turn = 0
 
     def choose(self, request: RouteRequest, workers: Sequence[WorkerView]) -> RoutePlan:
         prefill, decode = split_roles(workers)
-        n = next(self._counter)
+        n = self._turn
+        self._turn = n + 1
+        p = prefill[n % len(prefill)]
+        d = p if p.can_decode else decode[n % len(decode)]
+        return RoutePlan(prefill=p.id, decode=d.id, reason="round robin", policy=self.name)
+
+    def explain(self, request: RouteRequest, workers: Sequence[WorkerView]) -> RoutePlan:
+        """The plan of the worker whose turn it is; the turn does not advance."""
+        prefill, decode = split_roles(workers)
+        n = self._turn
         p = prefill[n % len(prefill)]
         d = p if p.can_decode else decode[n % len(decode)]
         return RoutePlan(prefill=p.id, decode=d.id, reason="round robin", policy=self.name)

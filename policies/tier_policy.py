@@ -22,16 +22,19 @@ consider peers for them).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from kvroute.policies.base import RouteRequest
 
-Tier = dict[str, str]
+#: One entry of vLLM's ``kv_load_tiers``: ``{"medium": "CPU" | "STORAGE", "locality": "LOCAL" | "REMOTE"}``
+#: (the wire form; :class:`kvroute.vocabulary.Tier` is the index's bit set for the same places).
+LoadTier = dict[str, str]
 
-STORAGE_LOCAL: Tier = {"medium": "STORAGE", "locality": "LOCAL"}
-CPU_REMOTE: Tier = {"medium": "CPU", "locality": "REMOTE"}
-STORAGE_REMOTE: Tier = {"medium": "STORAGE", "locality": "REMOTE"}
+STORAGE_LOCAL: LoadTier = {"medium": "STORAGE", "locality": "LOCAL"}
+CPU_REMOTE: LoadTier = {"medium": "CPU", "locality": "REMOTE"}
+STORAGE_REMOTE: LoadTier = {"medium": "STORAGE", "locality": "REMOTE"}
 
 _MEDIA = ("CPU", "STORAGE")
 _LOCALITIES = ("LOCAL", "REMOTE")
@@ -39,7 +42,7 @@ _LOCALITIES = ("LOCAL", "REMOTE")
 OffloadRule = Literal["shared_prefix", "all", "none"]
 
 
-def default_classes() -> dict[str, list[Tier]]:
+def default_classes() -> dict[str, list[LoadTier]]:
     """interactive: local CPU only; standard: + local storage; batch: every tier."""
     return {
         "interactive": [],
@@ -48,11 +51,11 @@ def default_classes() -> dict[str, list[Tier]]:
     }
 
 
-def validate_tiers(tiers: Any) -> list[Tier]:
+def validate_tiers(tiers: object) -> list[LoadTier]:
     """A clean copy of a tier list, or ValueError naming the bad entry."""
     if not isinstance(tiers, list):
         raise ValueError(f"kv_load_tiers must be a list, got {type(tiers).__name__}")
-    out: list[Tier] = []
+    out: list[LoadTier] = []
     for i, tier in enumerate(tiers):
         if not isinstance(tier, dict) or set(tier) != {"medium", "locality"}:
             raise ValueError(f"kv_load_tiers[{i}] must be {{'medium': ..., 'locality': ...}}, got {tier!r}")
@@ -75,7 +78,7 @@ class TierPolicy:
     class (see the module docstring).
     """
 
-    classes: dict[str, list[Tier]] = field(default_factory=default_classes)
+    classes: dict[str, list[LoadTier]] = field(default_factory=default_classes)
     default_class: str = "interactive"
     offload_rule: OffloadRule = "shared_prefix"
     unknown_offload_tokens: int | None = None
@@ -85,16 +88,19 @@ class TierPolicy:
         self.classes = {name: validate_tiers(tiers) for name, tiers in self.classes.items()}
         if self.default_class not in self.classes:
             raise ValueError(f"default_class {self.default_class!r} is not one of {sorted(self.classes)}")
-        if self.offload_rule not in ("shared_prefix", "all", "none"):
-            raise ValueError(f"offload_rule must be shared_prefix|all|none, got {self.offload_rule!r}")
+        if self.offload_rule not in get_args(OffloadRule):
+            raise ValueError(f"offload_rule must be {'|'.join(get_args(OffloadRule))}, got {self.offload_rule!r}")
         if self.unknown_offload_tokens is not None and self.unknown_offload_tokens < 0:
             raise ValueError("unknown_offload_tokens must be >= 0")
 
     @classmethod
-    def from_options(cls, options: dict[str, Any] | None) -> TierPolicy:
-        """Build from the ``tier_policy`` policy option (a dict with the field names above)."""
-        options = dict(options or {})
-        unknown = set(options) - {
+    def from_options(cls, options: Mapping[str, object] | None) -> TierPolicy:
+        """Build from the ``tier_policy`` policy option (a mapping with the field names above)."""
+        if options is not None and not isinstance(options, Mapping):
+            raise ValueError(f"tier_policy must be a mapping, got {options!r}")
+        # Config values meet typed fields here; __post_init__ checks every one.
+        untyped: dict[str, Any] = dict(options or {})
+        unknown = set(untyped) - {
             "classes",
             "default_class",
             "offload_rule",
@@ -103,11 +109,14 @@ class TierPolicy:
         }
         if unknown:
             raise ValueError(f"unknown tier_policy options: {sorted(unknown)}")
-        if "classes" in options:
-            options["classes"] = {**default_classes(), **options["classes"]}
-        return cls(**options)
+        if "classes" in untyped:
+            classes = untyped["classes"]
+            if not isinstance(classes, Mapping):
+                raise ValueError(f"tier_policy classes must map latency classes to tier lists, got {classes!r}")
+            untyped["classes"] = {**default_classes(), **classes}
+        return cls(**untyped)
 
-    def load_tiers(self, latency_class: str) -> list[Tier]:
+    def load_tiers(self, latency_class: str) -> list[LoadTier]:
         tiers = self.classes.get(latency_class, self.classes[self.default_class])
         return [dict(t) for t in tiers]
 
@@ -135,7 +144,7 @@ class TierPolicy:
             shared = min(shared, request.prompt_tokens)
         return shared // block * block
 
-    def apply(self, request: RouteRequest, with_source: bool = False) -> tuple[list[Tier], int | None]:
+    def apply(self, request: RouteRequest, with_source: bool = False) -> tuple[list[LoadTier], int | None]:
         """``(kv_load_tiers, max_offload_tokens)``; ``with_source``: the plan reads a peer's CPU tier."""
         tiers = self.load_tiers(request.latency_class)
         if with_source and CPU_REMOTE not in tiers:

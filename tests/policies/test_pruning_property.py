@@ -39,7 +39,7 @@ def test_choose_equals_the_head_of_explain(data: st.DataObject, protocol: str, n
     )
     policy = create_policy("kvaware", kv_protocol=protocol, explain_limit=3)
     try:
-        full = policy.explain(req, ws)  # type: ignore[attr-defined]
+        full = policy.explain(req, ws)
     except NoWorkerError:
         return
     plan = policy.choose(req, ws)

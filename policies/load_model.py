@@ -1,0 +1,162 @@
+"""The load side of the ``kvaware`` cost model: how long a request waits on a worker before its prefill.
+
+:class:`QueueModel` keeps, per worker, the requests this policy sent there and has not heard back about
+(send time, predicted service seconds, KV blocks held), and learns how long a request holds its blocks.
+From that and the worker's load signals it answers two terms of the TTFT estimate: the work ahead (a FIFO
+replay) and the wait for free KV blocks. It also weighs a predicted hit by the chance it is still there,
+which falls as the worker's KV cache fills. The cost terms themselves live in :mod:`kvroute.policies.cost`.
+
+Kept apart from the cost terms because it is the policy's only per-worker learnt state: ``choose`` feeds it
+(:meth:`QueueModel.sent`), outcomes drain it (:meth:`QueueModel.finished`), and ``explain`` reads it
+without a trace (``dry_run``).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Collection
+
+from kvroute.policies.base import RouteOutcome, RouteRequest, WorkerView
+from kvroute.policies.calibration import Calibrator
+from kvroute.policies.cost_params import CostParams
+
+#: One request sent and not yet reported: (sent at, predicted service seconds, KV blocks it holds).
+Pending = tuple[float, float, int]
+
+
+class QueueModel:
+    """Work ahead and KV-space wait per worker; see the module docstring."""
+
+    __slots__ = (
+        "_calibrator",
+        "_default_hold_s",
+        "_hold_s",
+        "_kv_pressure_decay",
+        "_max_pending",
+        "_parallelism",
+        "_pending",
+        "_still_there",
+        "_unknown_running_weight",
+    )
+
+    def __init__(self, params: CostParams, calibrator: Calibrator) -> None:
+        self._calibrator = calibrator
+        self._max_pending = params.max_pending
+        self._parallelism = params.queue_parallelism
+        self._unknown_running_weight = params.unknown_running_weight
+        self._default_hold_s = params.default_hold_s
+        self._still_there = params.still_there
+        self._kv_pressure_decay = params.kv_pressure_decay
+        #: Per worker: the requests this policy sent there, oldest first, until their outcome is observed:
+        #: a virtual FIFO queue for the queue term, and the blocks they hold for the KV-space term.
+        self._pending: dict[str, OrderedDict[str, Pending]] = {}
+        #: Per worker: EWMA of how long a request holds its KV blocks (sent -> outcome observed).
+        self._hold_s: dict[str, float] = {}
+
+    # -- what choose and observe tell it ---------------------------------------------------------------
+
+    def sent(self, worker_id: str, request_id: str, service_s: float, blocks: int) -> None:
+        """``choose`` sent a request to ``worker_id``: it joins that worker's replay."""
+        pending = self._pending.setdefault(worker_id, OrderedDict())
+        pending[request_id] = (self._calibrator.now(), service_s, blocks)
+        while len(pending) > self._max_pending:
+            pending.popitem(last=False)
+
+    def finished(self, outcome: RouteOutcome) -> None:
+        """The request's outcome came back: it leaves the replay, and its hold time is learnt."""
+        entry = self._pending.get(outcome.plan.prefill, OrderedDict()).pop(outcome.request_id, None)
+        if entry is not None and outcome.ok:
+            cal = self._calibrator
+            held = max(0.0, cal.now() - entry[0])
+            old = self._hold_s.get(outcome.plan.prefill)
+            alpha = cal.alpha
+            self._hold_s[outcome.plan.prefill] = held if old is None else (1 - alpha) * old + alpha * held
+
+    # -- the terms -------------------------------------------------------------------------------------
+
+    def waits(
+        self, w: WorkerView, request: RouteRequest, gpu_cached_tokens: int, dry_run: bool = False
+    ) -> tuple[float, float]:
+        """``(queue including the KV-space wait, the KV-space wait)`` on ``w`` for this request.
+
+        Only the newest ``w.load`` remembered requests are still outstanding (older ones finished, their
+        outcome not yet reported): ``choose`` forgets the rest for good, a ``dry_run`` only skips them.
+        """
+        pending = self._pending.get(w.id)
+        entries: Collection[Pending] = ()
+        if pending:
+            gone = len(pending) - w.load
+            if gone <= 0:
+                entries = pending.values()
+            elif dry_run:
+                entries = list(pending.values())[gone:]
+            else:
+                for _ in range(gone):
+                    pending.popitem(last=False)
+                entries = pending.values()
+        queue = self._queue_s(w, entries)
+        kv_wait = self._kv_wait_s(w, self.blocks_needed(request, gpu_cached_tokens), entries)
+        return queue + kv_wait, kv_wait
+
+    def _queue_s(self, w: WorkerView, entries: Collection[Pending]) -> float:
+        """Work ahead of a new request on ``w``.
+
+        The requests this policy sent there and has not heard back about (``entries``), replayed as a FIFO
+        queue from the times they were sent with their predicted service times, say when the worker will
+        be free. Work it cannot replay counts by calibrated service time: in full for requests the router
+        has in flight or the engine reports *waiting*, at ``unknown_running_weight`` for the rest of the
+        engine's *running* count. Those are other clients' requests or, far more often, a scrape older
+        than our own finished requests; either way most running requests are decoding, which delays a new
+        prefill little (continuous batching), and counting them as full prefills sent sessions away from
+        the worker holding their history for a queue that was not there.
+        """
+        cal = self._calibrator
+        known = 0.0
+        own = len(entries)
+        if own:
+            now = cal.now()
+            free_at = float("-inf")
+            for sent, service, _ in entries:
+                free_at = max(free_at, sent) + service
+            known = max(0.0, free_at - now)
+        sent_unknown = max(0, w.inflight - own)
+        scraped = max(0, w.running + w.waiting - max(w.inflight, own))
+        waiting = min(scraped, w.waiting)
+        unknown = sent_unknown + waiting + (scraped - waiting) * self._unknown_running_weight
+        return (known + unknown * cal.service_time(w.id)) / self._parallelism
+
+    @staticmethod
+    def blocks_needed(request: RouteRequest, gpu_cached_tokens: int) -> int:
+        """New KV blocks the engine must allocate to admit the request: prompt + output, minus GPU hits."""
+        block = max(1, request.block_size)
+        total = -(-((request.prompt_tokens or 0) + (request.max_tokens or 0)) // block)
+        return max(0, total - gpu_cached_tokens // block)
+
+    def _kv_wait_s(self, w: WorkerView, needed: int, entries: Collection[Pending]) -> float:
+        """Expected wait until ``needed`` KV blocks are free on ``w`` (0 when they already are).
+
+        Used blocks are the larger of the scraped usage and what this policy's outstanding requests hold
+        (the scrape lags). A request holds its blocks for about ``hold`` seconds, released at spread-out
+        times, so freeing a shortfall of ``s`` of ``used`` blocks takes about ``hold x s / used``. vLLM's
+        scheduler admits first come, first served once blocks are free: without this term a worker
+        holding a session's history looks free while its cache cannot take the next long turn.
+        """
+        capacity = w.kv_blocks
+        if not capacity or needed <= 0 or needed > capacity:  # unknown size, or the engine will refuse
+            return 0.0
+        own = sum(blocks for _, _, blocks in entries) if entries else 0
+        used = min(float(capacity), max(w.kv_usage * capacity, float(own)))
+        free = capacity - used
+        if needed <= free or used <= 0:
+            return 0.0
+        hold = self._hold_s.get(w.id, self._default_hold_s)
+        return hold * min(needed - free, used) / used
+
+    def still_there(self, worker: WorkerView | None, tier: str, ratio: float) -> float:
+        """Probability that a hit the index reports in ``tier`` is still there (``ratio``: the calibrated
+        hit ratio); GPU hits fade as the worker's KV usage passes 90 % (eviction takes them first)."""
+        prob = self._still_there.get(tier, 1.0) * ratio
+        if tier == "GPU" and worker is not None:
+            pressure = max(0.0, min(1.0, (worker.kv_usage - 0.9) / 0.1))
+            prob *= 1.0 - self._kv_pressure_decay * pressure
+        return max(0.0, min(1.0, prob))
