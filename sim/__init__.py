@@ -1,25 +1,53 @@
-"""Simulated vLLM workers ("digital twin"): OpenAI API, KV events over ZMQ, a paged KV cache, a timing model.
+"""Simulated vLLM workers ("digital twin"): the OpenAI API, KV events over ZMQ, a paged KV cache, a timing model.
 
-The fleet API (``SimFleet``) is imported lazily so ``kvroute.sim.tokenizer`` stays importable without
+A separate program: it shares only the wire formats (``kvroute.indexer.events`` / ``keys``) and the bottom
+layer (``kvroute.vocabulary``) with the rest of kvroute, never the router or the policies, so it behaves
+like the real engine and not like what the router expects.
+
+Modules:
+
+- ``fleet`` — :class:`SimFleet`, N workers in one loop, and the ``kvroute serve`` config for them
+- ``worker`` — :class:`SimWorker`: HTTP server, KV-event publisher, replay and P2P sockets of one worker
+- ``options`` — :class:`WorkerOptions`, everything a worker can be told
+- ``api`` — vLLM's HTTP surface (completions, chat, ``/kv_event_sources``, ...) and its error shapes
+- ``engine`` — admission, prefill/decode timeline, KV-transfer hooks of one request
+- ``kvcache`` — the paged prefix cache (chain hashes, LRU, CPU tier) emitting vLLM KV events
+- ``publisher`` — ZMQ PUB + replay ROUTER exactly as vLLM publishes
+- ``kvparams`` — ``kv_transfer_params`` validation; ``transfers`` / ``p2p`` — moving KV between workers
+- ``timing`` / ``presets`` — the timing model and the model x hardware figures
+- ``tokenizer`` / ``output`` — the built-in tokenizer and the deterministic generated text
+- ``traces`` / ``replay`` — seeded workloads and the client that replays them
+
+``SimFleet`` and friends are imported lazily so ``kvroute.sim.tokenizer`` stays importable without
 loading the servers.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvroute.sim.fleet import SimFleet
+    from kvroute.sim.options import WorkerOptions
+    from kvroute.sim.presets import get_preset
+    from kvroute.sim.worker import SimWorker
 
 __all__ = ["SimFleet", "SimWorker", "WorkerOptions", "get_preset"]
 
 
-def __getattr__(name: str) -> Any:
-    if name in ("SimFleet",):
+def __getattr__(name: str) -> object:
+    if name == "SimFleet":
         from kvroute.sim.fleet import SimFleet
 
         return SimFleet
-    if name in ("SimWorker", "WorkerOptions"):
-        from kvroute.sim import worker
+    if name == "SimWorker":
+        from kvroute.sim.worker import SimWorker
 
-        return getattr(worker, name)
+        return SimWorker
+    if name == "WorkerOptions":
+        from kvroute.sim.options import WorkerOptions
+
+        return WorkerOptions
     if name == "get_preset":
         from kvroute.sim.presets import get_preset
 

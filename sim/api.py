@@ -1,13 +1,20 @@
 """The OpenAI-compatible HTTP API of one simulated worker, shaped like vLLM's (Starlette, no FastAPI:
 it is lighter, and 16 workers share one process).
+
+Every error is vLLM's OpenAI-style JSON body with the status it uses: bad input is a 4xx raised before
+anything is sent, an unknown path or method is the HTTP status in that shape, and a fault inside the sim
+is a JSON 500 (non-streaming) or, once a stream has started, vLLM's in-band ``data: {"error": ...}``
+event followed by ``data: [DONE]``; a client never sees a plain-text error or a cut stream.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
+from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -16,6 +23,7 @@ from kvroute.sim.kvparams import KVParamsError, parse_kv_params
 from kvroute.sim.output import output_text
 from kvroute.sim.tokenizer import VOCAB_SIZE
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
@@ -23,23 +31,60 @@ from starlette.routing import Route
 if TYPE_CHECKING:
     from kvroute.sim.worker import SimWorker
 
+log = logging.getLogger(__name__)
+
 MAX_BODY_BYTES = 64 * 1024 * 1024
 PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class ApiError(Exception):
+    """Bad input found while parsing, answered as vLLM's JSON error with this status (never a 500)."""
+
     def __init__(self, status: int, message: str, type_: str = "BadRequestError", param: str | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param = status, message, type_, param
 
 
-def _json(data: Any, status: int = 200) -> Response:
-    return Response(orjson.dumps(data), status_code=status, media_type="application/json")
+def _json(data: object, status: int = 200, headers: Mapping[str, str] | None = None) -> Response:
+    return Response(orjson.dumps(data), status_code=status, media_type="application/json", headers=headers)
 
 
-def error_response(status: int, message: str, type_: str = "BadRequestError", param: str | None = None) -> Response:
-    """vLLM's (OpenAI-style) error body."""
-    return _json({"error": {"message": message, "type": type_, "param": param, "code": status}}, status)
+def error_body(status: int, message: str, type_: str = "BadRequestError", param: str | None = None) -> dict[str, Any]:
+    """vLLM's (OpenAI-style) error object, also the payload of an in-band streaming error."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": status}}
+
+
+def error_response(
+    status: int,
+    message: str,
+    type_: str = "BadRequestError",
+    param: str | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> Response:
+    """vLLM's (OpenAI-style) error response."""
+    return _json(error_body(status, message, type_, param), status, headers)
+
+
+def _internal(exc: BaseException) -> str:
+    return f"Internal error in the simulated engine: {type(exc).__name__}: {exc}"[:500]
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Routing errors (unknown path 404, wrong method 405) in the JSON shape, typed by the HTTP phrase as
+    vLLM's handler does, instead of Starlette's plain text."""
+    if not isinstance(exc, HTTPException):
+        return await _server_error(request, exc)
+    try:
+        phrase = HTTPStatus(exc.status_code).phrase
+    except ValueError:
+        phrase = "Error"
+    return error_response(exc.status_code, str(exc.detail), phrase, headers=exc.headers)
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    """Last resort for a fault the handlers did not catch: a JSON 500, never Starlette's plain text."""
+    log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return error_response(500, _internal(exc), "InternalServerError")
 
 
 async def _body(request: Request) -> dict[str, Any]:
@@ -56,6 +101,7 @@ async def _body(request: Request) -> dict[str, Any]:
 
 
 def _int(body: dict[str, Any], key: str, default: int | None, minimum: int) -> int | None:
+    """An optional integer field; bools are refused (JSON ``true`` is not a count)."""
     value = body.get(key)
     if value is None:
         return default
@@ -64,7 +110,7 @@ def _int(body: dict[str, Any], key: str, default: int | None, minimum: int) -> i
     return value
 
 
-def _prompt_tokens(prompt: Any, worker: SimWorker) -> list[int]:
+def _prompt_tokens(prompt: object, worker: SimWorker) -> list[int]:
     """``prompt`` as vLLM accepts it for one sequence: text, token ids, or a batch of one of those."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]
@@ -162,8 +208,15 @@ class OpenAIHandlers:
                 include_usage = bool(options.get("include_usage"))
             stream = self._stream(req, body_id, created, chat, include_usage)
             return StreamingResponse(stream, media_type="text/event-stream", headers={"X-Request-Id": req.request_id})
-        await drain(worker.engine.generate(req))
+        try:
+            await drain(worker.engine.generate(req))
+        except EngineError as exc:
+            return error_response(400, str(exc))
+        except Exception as exc:  # a sim fault: JSON 500 as vLLM's serving layer answers, the worker lives on
+            log.exception("request %s failed", req.request_id)
+            return error_response(500, _internal(exc), "InternalServerError")
         text = output_text(len(req.prompt), 0, req.output_tokens)
+        choice: dict[str, object]
         if chat:
             choice = {
                 "index": 0,
@@ -233,14 +286,17 @@ class OpenAIHandlers:
                     choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": None, "stop_reason": None}
                 sent += produced
                 yield _sse({**head, "choices": [choice]})
-            end = {"logprobs": None, "finish_reason": "length", "stop_reason": None}
+            end: dict[str, object] = {"logprobs": None, "finish_reason": "length", "stop_reason": None}
             last = {"index": 0, "delta": {}, **end} if chat else {"index": 0, "text": "", **end}
             yield _sse({**head, "choices": [last]})
             if include_usage:
                 yield _sse({**head, "choices": [], "usage": _usage(req)})
-            yield b"data: [DONE]\n\n"
+        except Exception as exc:  # the 200 is on the wire: report in-band as vLLM does, then end cleanly
+            log.exception("stream %s failed", req.request_id)
+            yield _sse(error_body(500, _internal(exc), "InternalServerError"))
         finally:
-            await gen.aclose()  # type: ignore[attr-defined]
+            await gen.aclose()
+        yield b"data: [DONE]\n\n"
 
     async def models(self, request: Request) -> Response:
         worker = self.worker
@@ -257,7 +313,14 @@ class OpenAIHandlers:
         return _json({"object": "list", "data": [card]})
 
     async def health(self, request: Request) -> Response:
-        return Response(status_code=200 if self.worker.healthy else 503)
+        if self.worker.healthy:
+            return Response(status_code=200)
+        return error_response(503, "The engine is not healthy.", "ServiceUnavailableError")
+
+    async def kv_event_sources(self, request: Request) -> Response:
+        """vLLM >= 0.32's discovery route: ``{"sources": [...]}``, one entry per DP rank, sorted by rank."""
+        sources = sorted(self.worker.kv_event_sources(), key=lambda s: s["data_parallel_rank"])
+        return _json({"sources": sources})
 
     async def tokenize(self, request: Request) -> Response:
         worker = self.worker
@@ -318,13 +381,14 @@ class OpenAIHandlers:
         return _json({"version": "0.11.0+kvroute-sim"})
 
 
-def _sse(data: dict[str, Any]) -> bytes:
+def _sse(data: dict[str, object]) -> bytes:
     return b"data: " + orjson.dumps(data) + b"\n\n"
 
 
 def build_app(worker: SimWorker) -> Starlette:
     h = OpenAIHandlers(worker)
     return Starlette(
+        exception_handlers={HTTPException: _http_error, Exception: _server_error},
         routes=[
             Route("/v1/completions", h.completions, methods=["POST"]),
             Route("/v1/chat/completions", h.chat, methods=["POST"]),
@@ -334,7 +398,8 @@ def build_app(worker: SimWorker) -> Starlette:
             Route("/metrics", h.metrics, methods=["GET"]),
             Route("/version", h.version, methods=["GET"]),
             Route("/reset_prefix_cache", h.reset_prefix_cache, methods=["POST"]),
+            Route("/kv_event_sources", h.kv_event_sources, methods=["GET"]),
             Route("/sim/state", h.state, methods=["GET"]),
             Route("/sim/health", h.set_health, methods=["POST"]),
-        ]
+        ],
     )

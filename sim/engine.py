@@ -11,12 +11,13 @@ import asyncio
 import contextlib
 import math
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvroute.indexer.events import BlockHash, KVEvent
-from kvroute.sim.kvcache import Allocation, PagedCache
+from kvroute.indexer.keys import request_extra_keys
+from kvroute.sim.kvcache import Allocation, BlockExtra, PagedCache
 from kvroute.sim.kvparams import KVParams
 from kvroute.sim.metrics import SimMetrics
 from kvroute.sim.options import WorkerOptions
@@ -32,6 +33,9 @@ class EngineError(ValueError):
 
 @dataclass(slots=True)
 class EngineRequest:
+    """One request as the engine sees it (already tokenized and validated by the API); the engine fills in
+    what the answer reports (cached tokens, output count, ``kv_transfer_params`` out)."""
+
     request_id: str
     prompt: list[int]
     max_tokens: int
@@ -62,6 +66,9 @@ class _Admission:
 
 
 class Engine:
+    """One worker's scheduler and cache: every request goes through :meth:`generate`, which holds a slot
+    and its blocks until it finishes (or is cancelled), so admission and KV space stay consistent."""
+
     def __init__(
         self,
         opts: WorkerOptions,
@@ -151,19 +158,20 @@ class Engine:
                 f"{self.preset.gpu_blocks * self.preset.block_size}."
             )
 
-    def _extras(self, req: EngineRequest, count: int) -> list[Any] | None:
-        if not req.cache_salt or count == 0:
-            return None
-        return [[req.cache_salt], *([None] * (count - 1))]
+    def _extras(self, req: EngineRequest, count: int) -> list[BlockExtra] | None:
+        """Per-block extra keys of ``count`` blocks: None without a salt, else exactly ``count`` entries
+        (the salt on block 0, as vLLM places it; none at all when the prompt has no full block)."""
+        return request_extra_keys(count, cache_salt=req.cache_salt)
 
-    async def generate(self, req: EngineRequest) -> AsyncIterator[int]:
+    async def generate(self, req: EngineRequest) -> AsyncGenerator[int, None]:
         """Run one request; yields the number of new output tokens each time some are produced."""
         self.validate(req)
         loop = asyncio.get_running_loop()
         t0 = req.arrival if req.arrival is not None else loop.time()
         bs = self.preset.block_size
         n_prompt = len(req.prompt)
-        hashes = self.cache.block_hashes(req.prompt, self._extras(req, n_prompt // bs))
+        extras = self._extras(req, n_prompt // bs)
+        hashes = self.cache.block_hashes(req.prompt, extras)
         usable = (n_prompt - 1) // bs  # vLLM always recomputes at least the last prompt token
         adm = _Admission(hashes, usable, math.ceil((n_prompt + req.max_tokens) / bs), loop.create_future())
         self._queue.append(adm)
@@ -203,7 +211,7 @@ class Engine:
                 hashes[adm.n_gpu :],
                 req.prompt[adm.n_gpu * bs : len(hashes) * bs],
                 hashes[adm.n_gpu - 1] if adm.n_gpu else None,
-                extras=self._extras(req, len(hashes))[adm.n_gpu :] if req.cache_salt else None,
+                extras=extras[adm.n_gpu :] if extras is not None else None,
                 offload_blocks=offload_blocks,
                 first_index=adm.n_gpu,
             )
@@ -254,7 +262,7 @@ class Engine:
             else:
                 self.pending.pop(h, None)
 
-    async def _decode(self, req: EngineRequest) -> AsyncIterator[int]:
+    async def _decode(self, req: EngineRequest) -> AsyncGenerator[int, None]:
         chunk = self.opts.stream_chunk_s if req.stream else self.opts.batch_chunk_s
         self.decoding += 1
         try:
@@ -344,9 +352,12 @@ class Engine:
         }
 
 
-async def drain(gen: AsyncIterator[int]) -> None:
-    """Consume a generation to the end (non-streaming answers)."""
-    async for _ in gen:
-        pass
-    with contextlib.suppress(Exception):
-        await gen.aclose()  # type: ignore[attr-defined]
+async def drain(gen: AsyncGenerator[int, None]) -> None:
+    """Consume a generation to the end (non-streaming answers); closed even when it fails, so its
+    ``finally`` (slot, blocks, holds) runs now rather than at garbage collection."""
+    try:
+        async for _ in gen:
+            pass
+    finally:
+        with contextlib.suppress(Exception):
+            await gen.aclose()

@@ -20,6 +20,9 @@ import xxhash
 from kvroute.indexer.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEvent
 from kvroute.indexer.keys import extra_bytes, token_bytes
 
+#: One block's extra keys (LoRA name, ``cache_salt`` on block 0), as ``BlockStored.extra_keys`` carries them.
+BlockExtra = list[Any] | None
+
 
 class Block:
     __slots__ = ("bid", "extra", "hash", "offload", "parent", "ref", "tokens")
@@ -30,7 +33,7 @@ class Block:
         block_hash: BlockHash,
         parent: BlockHash | None,
         tokens: Sequence[int],
-        extra: Any,
+        extra: BlockExtra,
         offload: bool,
     ) -> None:
         self.bid = bid
@@ -81,7 +84,7 @@ class PagedCache:
     # -- hashing -------------------------------------------------------------------------------------
 
     def block_hashes(
-        self, tokens: Sequence[int], extra_keys: Sequence[Any] | None = None, parent: BlockHash | None = None
+        self, tokens: Sequence[int], extra_keys: Sequence[BlockExtra] | None = None, parent: BlockHash | None = None
     ) -> list[BlockHash]:
         """Chain hashes of the full blocks of ``tokens`` (``extra_keys``: one entry per block or None),
         continuing the chain after ``parent`` when given."""
@@ -161,7 +164,7 @@ class PagedCache:
         tokens: Sequence[int],
         parent: BlockHash | None,
         *,
-        extras: Sequence[Any] | None = None,
+        extras: Sequence[BlockExtra] | None = None,
         offload_blocks: int | None = None,
         first_index: int = 0,
     ) -> int:
@@ -175,7 +178,7 @@ class PagedCache:
         bs = self.block_size
         run_hashes: list[BlockHash] = []
         run_tokens: list[int] = []
-        run_extras: list[Any] = []
+        run_extras: list[BlockExtra] = []
         run_parent = parent
         new = 0
 

@@ -63,19 +63,19 @@ class KVParams:
         return self.do_remote_decode or self.do_remote_prefill
 
 
-def _str(value: Any, what: str, *, max_len: int = 256) -> str:
+def _str(value: object, what: str, *, max_len: int = 256) -> str:
     if not isinstance(value, str) or not value or len(value) > max_len:
         raise KVParamsError(f"kv_transfer_params.{what} must be a non-empty string (at most {max_len} chars)")
     return value
 
 
-def _port(value: Any, what: str) -> int:
+def _port(value: object, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
         raise KVParamsError(f"kv_transfer_params.{what} must be a port number (1-65535)")
     return value
 
 
-def _bool(value: Any, what: str) -> bool:
+def _bool(value: object, what: str) -> bool:
     if value is None:
         return False
     if not isinstance(value, bool):
@@ -83,7 +83,7 @@ def _bool(value: Any, what: str) -> bool:
     return value
 
 
-def _peer(raw: Any, key: str, *, needs_address: bool) -> PeerRef:
+def _peer(raw: object, key: str, *, needs_address: bool) -> PeerRef:
     if not isinstance(raw, dict):
         raise KVParamsError(f"kv_transfer_params.{key} must be an object")
     kv_request_id = _str(raw.get("kv_request_id"), f"{key}.kv_request_id")
@@ -96,7 +96,7 @@ def _peer(raw: Any, key: str, *, needs_address: bool) -> PeerRef:
     )
 
 
-def _tiers(raw: Any) -> tuple[tuple[str, str], ...]:
+def _tiers(raw: object) -> tuple[tuple[str, str], ...]:
     if not isinstance(raw, list):
         raise KVParamsError("kv_transfer_params.kv_load_tiers must be a list")
     out = []
@@ -133,7 +133,7 @@ def _nixl_remote(raw: dict[str, Any]) -> NixlRemote | None:
     )
 
 
-def parse_kv_params(raw: Any) -> KVParams | None:
+def parse_kv_params(raw: object) -> KVParams | None:
     """Validate a request's ``kv_transfer_params`` (None when absent)."""
     if raw is None:
         return None

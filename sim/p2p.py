@@ -85,8 +85,11 @@ class P2PServer:
             with contextlib.suppress(Exception):
                 nonce = _decoder.decode(body).get("nonce")
         reply["nonce"] = nonce
+        sock = self._sock
+        if sock is None:  # closed while the handler ran
+            return
         with contextlib.suppress(zmq.ZMQError):
-            await self._sock.send_multipart([identity, b"", _encoder.encode(reply)])  # type: ignore[union-attr]
+            await sock.send_multipart([identity, b"", _encoder.encode(reply)])
 
     async def close(self) -> None:
         for task in [self._task, *self._inflight]:
@@ -130,8 +133,9 @@ class P2PClient:
                 return
             except (zmq.ZMQError, msgspec.DecodeError):
                 continue
-            if isinstance(reply, dict):
-                future = self._waiting.pop(reply.get("nonce"), None)  # type: ignore[arg-type]
+            nonce = reply.get("nonce") if isinstance(reply, dict) else None
+            if isinstance(nonce, int):
+                future = self._waiting.pop(nonce, None)
                 if future is not None and not future.done():
                     future.set_result(reply)
 

@@ -1,5 +1,8 @@
 """KV-event publishing exactly as vLLM does it: ZMQ PUB with the bind-or-connect rule, 3-frame messages,
 one batch per scheduler step, and a replay ROUTER socket serving the last ``buffer_steps`` batches.
+
+:meth:`EventPublisher.source` is what ``GET /kv_event_sources`` reports for the rank: the endpoints as
+really bound (port 0 resolved), so a router given only the worker's URL can subscribe.
 """
 
 from __future__ import annotations
@@ -9,7 +12,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from typing import Literal
+from typing import Literal, TypedDict
 
 import zmq
 import zmq.asyncio
@@ -20,12 +23,21 @@ log = logging.getLogger(__name__)
 BindMode = Literal["auto", "bind", "connect"]
 
 
+class KVEventSource(TypedDict):
+    """One DP rank's entry of vLLM's ``GET /kv_event_sources`` (>= 0.32), field for field."""
+
+    data_parallel_rank: int
+    endpoint: str
+    replay_endpoint: str | None
+    topic: str
+
+
 def vllm_binds(endpoint: str) -> bool:
     """vLLM's rule: bind when the endpoint is a wildcard (``*``, ``::``) or ipc/inproc, else connect."""
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
-def _bind(sock: zmq.Socket, endpoint: str) -> str:
+def _bind(sock: zmq.Socket[object], endpoint: str) -> str:
     """Bind, accepting port 0 for "any free port"; returns the endpoint actually bound."""
     if endpoint.startswith("tcp://") and endpoint.endswith(":0"):
         endpoint = endpoint[:-2] + ":*"
@@ -66,11 +78,11 @@ class EventPublisher:
         self.batches_dropped = 0
         self._pending: list[KVEvent] = []
         self._flush_scheduled = False
-        self._pub: zmq.Socket | None = None
+        self._pub: zmq.Socket[bytes] | None = None
         self._replay: zmq.asyncio.Socket | None = None
         self._replay_task: asyncio.Task[None] | None = None
 
-    def start(self, ctx: zmq.Context, actx: zmq.asyncio.Context) -> None:
+    def start(self, ctx: zmq.Context[zmq.Socket[bytes]], actx: zmq.asyncio.Context) -> None:
         pub = ctx.socket(zmq.PUB)
         pub.setsockopt(zmq.SNDHWM, self.hwm)
         pub.setsockopt(zmq.LINGER, 0)
@@ -85,6 +97,16 @@ class EventPublisher:
             self.replay_endpoint = _bind(replay, self.requested_replay)
             self._replay = replay
             self._replay_task = asyncio.get_running_loop().create_task(self._serve_replay())
+
+    def source(self) -> KVEventSource:
+        """This rank's discovery entry: bound endpoints as ZMQ resolved them, the configured one when the
+        PUB connects (the router's SUB is bound there), the replay ROUTER's bound address or None."""
+        return {
+            "data_parallel_rank": self.dp_rank,
+            "endpoint": self.endpoint,
+            "replay_endpoint": self.replay_endpoint,
+            "topic": self.topic,
+        }
 
     # -- publishing ----------------------------------------------------------------------------------
 

@@ -46,7 +46,7 @@ def tokenize(text: str) -> list[int]:
     return list(map(_PIECES.__getitem__, text.split()))
 
 
-def _content_text(content: Any) -> str:
+def _content_text(content: object) -> str:
     """OpenAI content is a string or a list of parts; only text parts count."""
     if content is None:
         return ""

@@ -9,8 +9,9 @@ one word is one token, so sizes below are in tokens. Times are model seconds (th
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypedDict, Unpack
 
 Kind = Literal["agentic", "chat"]
 
@@ -131,17 +132,31 @@ def chat_trace(
     return Trace(name, seed, tuple(out))
 
 
+class AgenticOptions(TypedDict, total=False):
+    """:func:`agentic_trace`'s keyword options, so :func:`mixed_trace` can pass them on type-checked."""
+
+    steps: tuple[int, int]
+    system_tokens: int
+    task_tokens: tuple[int, int]
+    tool_tokens: tuple[int, int]
+    answer_tokens: tuple[int, int]
+    arrival_rate: float
+    tool_time_s: tuple[float, float]
+    name: str
+
+
 def mixed_trace(
-    seed: int = 0, *, agentic_sessions: int = 8, chat_sessions: int = 24, **agentic_kwargs: object
+    seed: int = 0, *, agentic_sessions: int = 8, chat_sessions: int = 24, **agentic_kwargs: Unpack[AgenticOptions]
 ) -> Trace:
     """Agents and chat users sharing one pool, arrivals interleaved."""
-    agents = agentic_trace(seed, sessions=agentic_sessions, **agentic_kwargs)  # type: ignore[arg-type]
+    agents = agentic_trace(seed, sessions=agentic_sessions, **agentic_kwargs)
     chats = chat_trace(seed, sessions=chat_sessions)
     merged = sorted(agents.sessions + chats.sessions, key=lambda s: s.start_s)
     return Trace("mixed", seed, tuple(merged))
 
 
-TRACES = {"agentic": agentic_trace, "chat": chat_trace, "mixed": mixed_trace}
+#: Generators by name; each takes the seed and its own keyword options.
+TRACES: dict[str, Callable[..., Trace]] = {"agentic": agentic_trace, "chat": chat_trace, "mixed": mixed_trace}
 
 
 def make_trace(kind: str, seed: int = 0, **kwargs: object) -> Trace:
@@ -149,4 +164,4 @@ def make_trace(kind: str, seed: int = 0, **kwargs: object) -> Trace:
         factory = TRACES[kind]
     except KeyError:
         raise ValueError(f"unknown trace kind {kind!r}; known: {', '.join(TRACES)}") from None
-    return factory(seed, **kwargs)  # type: ignore[operator]
+    return factory(seed, **kwargs)

@@ -186,9 +186,9 @@ class Transfers:
             self.cache.release(pin)
         return {"status": "OK", "num_blocks": n, "bytes": nbytes}
 
-    def _nixl_hold(self, key: Any) -> Hold | None:
-        key = str(key)
-        return self.holds["nixl"].get(key) or self.holds["retain"].get(key)
+    def _nixl_hold(self, key: object) -> Hold | None:
+        name = str(key)
+        return self.holds["nixl"].get(name) or self.holds["retain"].get(name)
 
     async def _nixl_read(self, msg: dict[str, Any]) -> dict[str, Any]:
         hold = self._nixl_hold(msg.get("remote_request_id"))

@@ -15,11 +15,12 @@ from typing import Any
 import uvicorn
 import zmq
 import zmq.asyncio
+from kvroute.indexer.events import KVEvent
 from kvroute.sim.api import build_app
 from kvroute.sim.engine import Engine
 from kvroute.sim.options import WorkerOptions
 from kvroute.sim.p2p import P2PClient, P2PServer
-from kvroute.sim.publisher import EventPublisher
+from kvroute.sim.publisher import BindMode, EventPublisher, KVEventSource
 from kvroute.sim.tokenizer import Tokenizer, load_tokenizer
 from kvroute.sim.transfers import close_client
 
@@ -42,7 +43,7 @@ class SimWorker:
         self,
         opts: WorkerOptions | None = None,
         *,
-        ctx: zmq.Context | None = None,
+        ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
         actx: zmq.asyncio.Context | None = None,
         tokenizer: Tokenizer | None = None,
     ) -> None:
@@ -72,7 +73,7 @@ class SimWorker:
 
     # -- wiring --------------------------------------------------------------------------------------
 
-    def _emit(self, event: Any) -> None:
+    def _emit(self, event: KVEvent) -> None:
         if self.publisher is not None:
             self.publisher.add(event)
 
@@ -108,6 +109,10 @@ class SimWorker:
     @property
     def topic(self) -> str:
         return self.publisher.topic if self.publisher else self.opts.topic
+
+    def kv_event_sources(self) -> list[KVEventSource]:
+        """``GET /kv_event_sources``: one entry per DP rank (the sim runs rank 0 only); empty before start."""
+        return [self.publisher.source()] if self.publisher is not None else []
 
     def worker_config(self) -> dict[str, Any]:
         """This worker as a ``kvroute serve`` ``workers:`` entry (router/config.py WorkerConfig)."""
@@ -168,6 +173,7 @@ class SimWorker:
         self._sock = _listen(opts.host, opts.http_port)
         self.http_port = self._sock.getsockname()[1]
         zhost = f"[{opts.host}]" if ":" in opts.host else opts.host
+        mode: BindMode
         if opts.events_mode == "connect" or (opts.events_mode == "auto" and opts.events_endpoint):
             if not opts.events_endpoint:
                 raise ValueError("events_mode 'connect' needs events_endpoint (the router's SUB address)")
@@ -180,7 +186,7 @@ class SimWorker:
         self.publisher = EventPublisher(
             endpoint,
             mode=mode,
-            topic=topic,  # type: ignore[arg-type]
+            topic=topic,
             replay_endpoint=f"tcp://{zhost}:{opts.replay_port}" if opts.replay else None,
             buffer_steps=opts.buffer_steps,
             hwm=opts.hwm,
