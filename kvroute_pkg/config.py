@@ -115,15 +115,65 @@ class PoolConfig(_Strict):
     )
 
 
+class KubernetesDiscoveryConfig(_Strict):
+    """Workers = the Ready pods a label selector picks in one namespace (the way an InferencePool selects
+    them), followed with the Kubernetes API's list+watch. Needs get/list/watch on pods (docs/discovery.md)."""
+
+    namespace: str | None = Field(
+        default=None, description="Default: the service account's namespace in-cluster, else the kubeconfig context's"
+    )
+    selector: str = Field(min_length=1, description="Label selector, e.g. app=vllm,pool in (a,b)")
+    port: int | None = Field(default=None, ge=1, le=65535, description="Worker HTTP port (default 8000)")
+    port_name: str | None = Field(
+        default=None, description="Named container port to read the HTTP port from (wins over port when present)"
+    )
+    events_port: int | None = Field(
+        default=None, ge=1, le=65535, description="kv_events = tcp://podIP:events_port (default: ask /kv_event_sources)"
+    )
+    replay_port: int | None = Field(default=None, ge=1, le=65535, description="replay = tcp://podIP:replay_port")
+    kubeconfig: str | None = Field(
+        default=None,
+        description="kubeconfig file; default: in-cluster service account, else $KUBECONFIG/~/.kube/config",
+    )
+
+
+class DnsDiscoveryConfig(_Strict):
+    """Workers = the addresses a (headless Service) name resolves to, polled: for users without API access."""
+
+    name: str = Field(min_length=1, description="Name to resolve, e.g. vllm.ns.svc.cluster.local")
+    port: int | None = Field(default=None, ge=1, le=65535, description="Worker HTTP port for A/AAAA answers")
+    srv: bool = Field(default=False, description="Resolve SRV records (host and port) instead of A/AAAA")
+    interval_s: float = Field(default=5.0, gt=0, description="Seconds between resolutions")
+    nameserver: str | None = Field(default=None, description="Nameserver IP (default: the system resolver's)")
+    nameserver_port: int = Field(default=53, ge=1, le=65535)
+
+    @model_validator(mode="after")
+    def _port_needed(self) -> DnsDiscoveryConfig:
+        if not self.srv and self.port is None:
+            raise ValueError("port is required for A/AAAA lookups (or set srv: true)")
+        return self
+
+
+class DiscoveryConfig(_Strict):
+    """Workers found at run time, beside the static ``workers`` list (which discovery never removes)."""
+
+    kubernetes: KubernetesDiscoveryConfig | None = None
+    dns: DnsDiscoveryConfig | None = None
+    grace_s: float = Field(
+        default=30.0, ge=0, description="A worker that disappeared is removed only after staying away this long"
+    )
+
+
 class RouterConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
     workers: list[WorkerConfig] = Field(default_factory=list)
     models: list[ModelConfig] = Field(default_factory=list)
-    policy: str = "round_robin"
+    policy: str = "kvaware"
     policy_options: dict[str, Any] = Field(default_factory=dict)
     index: IndexConfig = Field(default_factory=IndexConfig)
     pool: PoolConfig = Field(default_factory=PoolConfig)
+    discovery: DiscoveryConfig = Field(default_factory=DiscoveryConfig)
     admin_token: str | None = None
     max_body_bytes: int = Field(default=16 * 1024 * 1024, gt=0)
     connect_timeout_s: float = Field(default=2.0, gt=0)
@@ -142,6 +192,11 @@ class RouterConfig(_Strict):
         "(0 = leave the garbage collector as it is)",
     )
     debug_headers: bool = Field(default=False, description="Allow X-KVRoute-Debug: 1 to return the chosen plan")
+    forward_headers: list[str] = Field(
+        default_factory=list,
+        description="Client headers forwarded to workers besides the built-in allowlist (content-type, "
+        "authorization, tracing, ...); names are case-insensitive",
+    )
     log_level: str = "info"
 
     @model_validator(mode="after")

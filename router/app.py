@@ -22,7 +22,15 @@ from kvroute.router.admin import build_admin_app
 from kvroute.router.errors import ApiError, api_error_response, error_response
 from kvroute.router.http_body import ClientGone, read_body, until_disconnect
 from kvroute.router.metrics import CONTENT_TYPE
-from kvroute.router.requests import CHAT, COMPLETIONS, ParsedRequest, parse_request, request_id_from
+from kvroute.router.paths import canonical_path
+from kvroute.router.requests import (
+    CHAT,
+    COMPLETIONS,
+    FORWARDED_HEADERS,
+    ParsedRequest,
+    parse_request,
+    request_id_from,
+)
 from kvroute.router.state import RouterState
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -95,6 +103,13 @@ class RouterApp(Starlette):
     hot_paths: dict[str, Endpoint]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            # One spelling of the path for routing, checking and forwarding (kvroute.router.paths).
+            path = scope["path"]
+            canonical = canonical_path(path)
+            if canonical != path:
+                scope["path"] = canonical
+                scope["raw_path"] = canonical.encode("latin-1", "replace")
         if scope["type"] == "http" and scope["method"] == "POST":
             endpoint = self.hot_paths.get(scope["path"])
             if endpoint is not None:
@@ -121,6 +136,7 @@ def _passthrough(state: RouterState) -> Endpoint:
 def _endpoint(state: RouterState, *, generation: bool) -> Endpoint:
     limit = state.config.max_body_bytes
     mode = state.config.pool.client_kv_params
+    forwarded = FORWARDED_HEADERS | {h.lower() for h in state.config.forward_headers}
     flow = state.flow
 
     async def endpoint(request: Request) -> Response:
@@ -135,7 +151,13 @@ def _endpoint(state: RouterState, *, generation: bool) -> Endpoint:
             if query:
                 path += "?" + query.decode("latin-1")
             parsed: ParsedRequest = parse_request(
-                request.method, path, raw, body, client_kv_params=mode, request_id=request_id
+                request.method,
+                path,
+                raw,
+                body,
+                client_kv_params=mode,
+                request_id=request_id,
+                forward_headers=forwarded,
             )
             if generation:
                 model_label = parsed.model or "unknown"

@@ -36,7 +36,7 @@ from google.protobuf import struct_pb2
 from kvroute.router.errors import ApiError, error_body
 from kvroute.router.flow import Decision
 from kvroute.router.forwarding import Result, UsageSniffer, usage_of
-from kvroute.router.requests import GENERATION_ROUTES, parse_request
+from kvroute.router.requests import FORWARDED_HEADERS, GENERATION_ROUTES, parse_request
 from kvroute.router.state import RouterState
 
 log = logging.getLogger("kvroute.epp")
@@ -281,6 +281,9 @@ class Exchange:
         meta = struct_pb2.Struct()
         meta.update({DESTINATION_NAMESPACE: {DESTINATION_KEY: pick.endpoint}})
         set_headers = [_header(DESTINATION_KEY, pick.endpoint), _header("x-request-id", self.request_id)]
+        canonical = pick.decision.request.path
+        if canonical != self.headers.get(":path"):  # what was checked is what Envoy forwards
+            set_headers.append(_header(":path", canonical))
         if in_headers:
             common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=set_headers))
             return [pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common), dynamic_metadata=meta)]
@@ -313,6 +316,7 @@ class Exchange:
             body,
             client_kv_params=self.state.config.pool.client_kv_params,
             request_id=self.request_id,
+            forward_headers=FORWARDED_HEADERS | {h.lower() for h in self.state.config.forward_headers},
         )
         flow = self.state.flow
         try:

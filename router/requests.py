@@ -23,6 +23,7 @@ import orjson
 from kvroute.router.conversations import CONVERSATION_HEADER, ConversationError, validate_conversation_id
 from kvroute.router.errors import ApiError, bad_request
 from kvroute.router.kv_params import KVParamsError, sanitize_client_body
+from kvroute.router.paths import CONTROL_PATHS, canonical_path, proxied
 
 RawHeaders = Sequence[tuple[bytes, bytes]]
 ClientParamsMode = Literal["strip", "refuse"]
@@ -31,27 +32,6 @@ COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 #: The routes whose prompt the router reads (tokens, index lookup, conversation reuse).
 GENERATION_ROUTES = frozenset({COMPLETIONS, CHAT})
-#: vLLM's engine-control endpoints: a client of the pool must not reset caches or put engines to sleep.
-CONTROL_PATHS = frozenset(
-    {
-        "/reset_prefix_cache",
-        "/reset_mm_cache",
-        "/sleep",
-        "/wake_up",
-        "/is_sleeping",
-        "/collective_rpc",
-        "/start_profile",
-        "/stop_profile",
-        "/scale_elastic_ep",
-        "/is_scaling_elastic_ep",
-        "/pause",
-        "/resume",
-        "/is_paused",
-        "/update_weights",
-        "/init_weight_transfer",
-        "/server_info",
-    }
-)
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 #: Never forwarded to a worker (RFC 9110 §7.6.1 hop-by-hop, plus what the client library recomputes).
 HOP_BY_HOP = frozenset(
@@ -70,6 +50,30 @@ HOP_BY_HOP = frozenset(
         "content-length",
     }
 )
+#: The client headers a worker gets: what vLLM's OpenAI and Anthropic surfaces read (content negotiation,
+#: the API key, sessions), and tracing context. Anything else — the router's own controls
+#: (``x-kvroute-*``, ``x-conversation-id``), a data-parallel rank the client would like to choose, headers
+#: a vLLM plugin might trust — is the router's decision, not the client's (``forward_headers`` adds more).
+FORWARDED_HEADERS = frozenset(
+    {
+        "content-type",
+        "accept",
+        "accept-encoding",
+        "accept-language",
+        "authorization",
+        "user-agent",
+        "x-api-key",
+        "anthropic-version",
+        "anthropic-beta",
+        "openai-organization",
+        "openai-project",
+        "x-session-id",
+        "traceparent",
+        "tracestate",
+        "baggage",
+    }
+)
+_UNSAFE_VALUE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 
 
 @dataclass(slots=True)
@@ -120,17 +124,23 @@ def request_id_from(raw: RawHeaders) -> str:
     return uuid.uuid4().hex
 
 
-def upstream_headers(raw: RawHeaders, request_id: str) -> list[tuple[str, str]]:
-    """The client's headers minus hop-by-hop ones, with our X-Request-Id and no compression unless asked."""
+def upstream_headers(
+    raw: RawHeaders, request_id: str, allowed: frozenset[str] = FORWARDED_HEADERS
+) -> list[tuple[str, str]]:
+    """The client headers the router forwards (``allowed``), with our X-Request-Id, and no compression
+    unless the client asked. A value with control characters (CR, LF, NUL...) is dropped, never passed on."""
     out = [("x-request-id", request_id)]
     encoding = False
     for key, value in raw:
         name = key.decode("latin-1").lower()
-        if name in HOP_BY_HOP or name == "x-request-id" or name.startswith(":"):
+        if name not in allowed:
+            continue
+        text = value.decode("latin-1")
+        if _UNSAFE_VALUE.search(text):
             continue
         if name == "accept-encoding":
             encoding = True
-        out.append((name, value.decode("latin-1")))
+        out.append((name, text))
     if not encoding:
         # Otherwise the HTTP client adds "gzip, deflate" and we could no longer read usage from the body.
         out.append(("accept-encoding", "identity"))
@@ -145,16 +155,22 @@ def parse_request(
     *,
     client_kv_params: ClientParamsMode = "strip",
     request_id: str | None = None,
+    forward_headers: frozenset[str] = FORWARDED_HEADERS,
 ) -> ParsedRequest:
-    """Check and parse one request (``path`` may carry a query). Raises :class:`ApiError` for client mistakes."""
-    bare = path.split("?", 1)[0]
-    if bare.rstrip("/") in CONTROL_PATHS:
+    """Check and parse one request (``path`` may carry a query; it is canonicalized, checked against the
+    proxied allowlist and forwarded in that form). Raises :class:`ApiError` for client mistakes."""
+    bare, _, query = path.partition("?")
+    bare = canonical_path(bare)
+    if bare in CONTROL_PATHS:
         raise ApiError(
             404,
             f"{bare} is an engine-control endpoint and is not proxied; call the worker directly",
             "not_proxied",
             "not_found_error",
         )
+    if not proxied(method, bare):
+        raise ApiError(404, f"{method} {bare} is not an endpoint kvroute proxies", "not_proxied", "not_found_error")
+    path = bare + "?" + query if query else bare
     request_id = request_id or request_id_from(raw_headers)
     wanted = {k: v.decode("latin-1") for k, v in raw_headers if k in _READ_HEADERS}
     data: dict[str, Any] | None
@@ -171,7 +187,7 @@ def parse_request(
         method=method,
         path=path,
         route=route,
-        headers=upstream_headers(raw_headers, request_id),
+        headers=upstream_headers(raw_headers, request_id, forward_headers),
         body=body,
         json=data,
         model=model,
