@@ -146,18 +146,15 @@ def _endpoint(state: RouterState, *, generation: bool) -> Endpoint:
         route, model_label = (request.scope["path"], "unknown") if generation else ("other", "-")
         try:
             body = await read_body(request, limit)
-            path = request.scope["path"]
-            query = request.scope.get("query_string", b"")
-            if query:
-                path += "?" + query.decode("latin-1")
             parsed: ParsedRequest = parse_request(
                 request.method,
-                path,
+                request.scope["path"],
                 raw,
                 body,
                 client_kv_params=mode,
                 request_id=request_id,
                 forward_headers=forwarded,
+                query=request.scope.get("query_string", b"").decode("latin-1"),
             )
             if generation:
                 model_label = parsed.model or "unknown"

@@ -25,7 +25,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
@@ -308,15 +308,16 @@ class Exchange:
     async def choose(self, body: bytes) -> Pick:
         """What ``kvroute serve`` does before it forwards, minus the forwarding: parse, decide, rewrite."""
         method = self.headers.get(":method", "POST")
-        path = self.headers.get(":path", "/")
+        raw_path, _, query = self.headers.get(":path", "/").partition("?")
         request = parse_request(
             method,
-            path,
+            unquote(raw_path),
             self.raw_headers,
             body,
             client_kv_params=self.state.config.pool.client_kv_params,
             request_id=self.request_id,
             forward_headers=FORWARDED_HEADERS | {h.lower() for h in self.state.config.forward_headers},
+            query=query,
         )
         flow = self.state.flow
         try:

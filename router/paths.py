@@ -82,7 +82,8 @@ def _decode_unreserved(match: re.Match[str]) -> str:
 
 def canonical_path(path: str) -> str:
     """The one spelling of ``path`` (no query): unreserved characters decoded, ``.``/``..`` segments and
-    empty segments removed, no trailing slash. Never climbs above the root."""
+    empty segments removed, no trailing slash. Never climbs above the root. Other characters (``?``, ``%``,
+    spaces) stay as they are: no proxied path has them, so such a path is refused, never reinterpreted."""
     if "%" in path:
         path = _PERCENT.sub(_decode_unreserved, path)
     if "//" not in path and "/." not in path and not (path.endswith("/") and len(path) > 1):

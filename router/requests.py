@@ -156,11 +156,13 @@ def parse_request(
     client_kv_params: ClientParamsMode = "strip",
     request_id: str | None = None,
     forward_headers: frozenset[str] = FORWARDED_HEADERS,
+    query: str = "",
 ) -> ParsedRequest:
-    """Check and parse one request (``path`` may carry a query; it is canonicalized, checked against the
-    proxied allowlist and forwarded in that form). Raises :class:`ApiError` for client mistakes."""
-    bare, _, query = path.partition("?")
-    bare = canonical_path(bare)
+    """Check and parse one request. ``path`` is the (percent-decoded) path without its query, which comes
+    apart in ``query``: a ``?`` inside ``path`` is a character of the path, not a separator. The path is
+    canonicalized, checked against the proxied allowlist and forwarded in that form. Raises
+    :class:`ApiError` for client mistakes."""
+    bare = canonical_path(path)
     if bare in CONTROL_PATHS:
         raise ApiError(
             404,

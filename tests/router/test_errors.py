@@ -109,8 +109,9 @@ async def test_upstream_error_status_passes_through(two_workers, client: httpx.A
     """A worker's own 4xx (e.g. vLLM refusing a parameter) is its answer: passed back, not retried."""
     w1, _ = two_workers
     async with run_router([w1.url]) as (url, _app):
-        r = await client.post(url + "/v1/nonexistent", json=COMPLETION)
-    assert r.status_code == 404
+        r = await client.post(url + "/v1/embeddings", json=COMPLETION)
+    assert r.status_code == 404 and r.json() == {"detail": "Not Found"}  # the worker's own answer
+    assert [s["path"] for s in w1.seen] == ["/v1/embeddings"]  # once: a 4xx is not retried elsewhere
 
 
 async def test_router_without_workers(client: httpx.AsyncClient) -> None:

@@ -123,9 +123,12 @@ async def test_other_paths_pass_through(two_workers, client: httpx.AsyncClient) 
         assert w1.seen[-1]["body"] == {"model": "m1", "prompt": "hello"}
         missing = await client.post(url + "/tokenize", json={"model": "nope", "prompt": "x"})
         assert missing.status_code == 404
-        # A path the worker does not have: the worker's own 404 comes back unchanged.
+        # A proxied path the worker does not have: the worker's own 404 comes back unchanged.
+        r = await client.get(url + "/v1/responses/resp_1")
+        assert r.status_code == 404 and r.json() == {"detail": "Not Found"}
+        # A path that is no inference endpoint never reaches a worker: the router's own 404.
         r = await client.get(url + "/v1/unknown")
-        assert r.status_code == 404
+        assert r.status_code == 404 and r.json()["error"]["code"] == "not_proxied"
         # Engine-control endpoints are not proxied.
         seen = len(w1.seen)
         r = await client.post(url + "/reset_prefix_cache")

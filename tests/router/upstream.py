@@ -161,6 +161,11 @@ class FakeWorker:
                 orjson.dumps({"tokens": [1, 2, 3], "count": 3, "worker": self.name}), media_type="application/json"
             )
 
+        async def elsewhere(request: Request) -> Response:
+            raw = await request.body()
+            self.seen.append({"path": request.url.path, "headers": dict(request.headers), "body": None, "raw": raw})
+            return Response(b'{"detail":"Not Found"}', status_code=404, media_type="application/json")
+
         return Starlette(
             routes=[
                 Route("/health", health),
@@ -169,6 +174,9 @@ class FakeWorker:
                 Route("/v1/completions", generate, methods=["POST"]),
                 Route("/v1/chat/completions", generate, methods=["POST"]),
                 Route("/tokenize", tokenize, methods=["POST"]),
+                # Anything else is recorded (a request that should never have reached a worker shows) and
+                # answered as a server without that path would.
+                Route("/{path:path}", elsewhere, methods=["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"]),
             ]
         )
 
