@@ -87,7 +87,7 @@ def create_app(state: RouterState, admin_routers: Sequence[APIRouter] = ()) -> S
         Mount("/admin", app=admin),
         Route("/{path:path}", _passthrough(state), methods=["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"]),
     ]
-    app = RouterApp(routes=routes, lifespan=lifespan)
+    app = RouterApp(routes=routes, lifespan=lifespan, exception_handlers={Exception: _internal_error})
     app.hot_paths = hot
     app.state.kvroute = state
     return app
@@ -175,6 +175,12 @@ def _endpoint(state: RouterState, *, generation: bool) -> Endpoint:
         return response
 
     return endpoint
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    """The last resort: whatever escaped a route is still an OpenAI-style JSON error, never plain text."""
+    log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return error_response(500, "internal router error", "internal_error", "server_error")
 
 
 def _models(state: RouterState) -> Callable[[Request], Any]:

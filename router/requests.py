@@ -264,8 +264,13 @@ def sniff_passthrough(body: bytes) -> tuple[dict[str, Any] | None, str | None, b
     return data, model or None, bool(data.get("stream")) if data else False
 
 
+#: Token ids are unsigned 32-bit in vLLM's engine (and in our block keys); anything else is a client mistake.
+MAX_TOKEN_ID = (1 << 32) - 1
+
+
 def check_generation(data: dict[str, Any], kind: str) -> tuple[str, bool]:
-    """Check what routing depends on (``kind``: "completion" or "chat"); return (model, stream)."""
+    """Check every field routing reads (``kind``: "completion" or "chat"), as vLLM would accept it; a
+    mistake is a 400 naming the field, never a failure further down. Returns (model, stream)."""
     model = data.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request("`model` is required and must be a non-empty string", "invalid_model")
@@ -275,20 +280,60 @@ def check_generation(data: dict[str, Any], kind: str) -> tuple[str, bool]:
     if not isinstance(stream, bool):
         raise bad_request("`stream` must be a boolean", "invalid_stream")
     if kind == "chat":
-        messages = data.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise bad_request("`messages` is required and must be a non-empty list", "invalid_messages")
-        if not all(isinstance(m, dict) for m in messages):
-            raise bad_request("each item of `messages` must be an object", "invalid_messages")
+        _check_messages(data.get("messages"))
     else:
-        prompt = data.get("prompt")
-        if prompt is None or not isinstance(prompt, str | list) or (isinstance(prompt, list) and not prompt):
-            raise bad_request("`prompt` is required (a string, a list of strings or of token ids)", "invalid_prompt")
+        _check_prompt(data.get("prompt"))
     for name in ("max_tokens", "max_completion_tokens", "n"):
         value = data.get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
             raise bad_request(f"`{name}` must be a non-negative integer", f"invalid_{name}")
+    salt = data.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise bad_request("`cache_salt` must be a non-empty string", "invalid_cache_salt")
     return model, stream
+
+
+def _token_ids_ok(values: list[Any]) -> bool:
+    return all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in values)
+
+
+def _check_prompt(prompt: Any) -> None:
+    """A string, or a non-empty list of strings, of token ids, or of token-id lists (vLLM's forms)."""
+    if isinstance(prompt, str):
+        return
+    message = "`prompt` is required: a string, a list of strings, of token ids (0..2**32-1) or of token-id lists"
+    if not isinstance(prompt, list) or not prompt:
+        raise bad_request(message, "invalid_prompt")
+    if all(isinstance(p, str) for p in prompt) or _token_ids_ok(prompt):
+        return
+    if all(isinstance(p, list) and p and _token_ids_ok(p) for p in prompt):
+        return
+    raise bad_request(message, "invalid_prompt")
+
+
+def _check_messages(messages: Any) -> None:
+    """Objects with a string ``role`` and a ``content`` that is a string, null, or a list of typed parts."""
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("`messages` is required and must be a non-empty list", "invalid_messages")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise bad_request("each item of `messages` must be an object", "invalid_messages")
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
+            raise bad_request(f"`messages[{i}].role` must be a non-empty string", "invalid_messages")
+        content = message.get("content")
+        if content is None or isinstance(content, str):
+            continue
+        if not isinstance(content, list) or not all(
+            isinstance(part, dict) and isinstance(part.get("type"), str) for part in content
+        ):
+            raise bad_request(
+                f"`messages[{i}].content` must be a string, null, or a list of parts with a string `type`",
+                "invalid_messages",
+            )
+        for part in content:
+            if part["type"] == "text" and not isinstance(part.get("text"), str):
+                raise bad_request(f"`messages[{i}].content` text parts need a string `text`", "invalid_messages")
 
 
 def prompt_text(body: dict[str, Any]) -> str | None:
