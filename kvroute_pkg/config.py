@@ -175,6 +175,15 @@ class RouterConfig(_Strict):
     pool: PoolConfig = Field(default_factory=PoolConfig)
     discovery: DiscoveryConfig = Field(default_factory=DiscoveryConfig)
     admin_token: str | None = None
+    admin_worker_allowlist: list[str] = Field(
+        default_factory=list,
+        description="Where workers added at run time (POST /admin/workers) may live: CIDRs (10.0.0.0/8), "
+        "host names (vllm-0.vllm) or domain suffixes (.svc.cluster.local). Empty: any host but link-local "
+        "(cloud metadata) addresses, which are refused unless a CIDR here covers them",
+    )
+    metrics_token: str | None = Field(
+        default=None, description="When set, GET /metrics needs 'Authorization: Bearer <metrics_token>'"
+    )
     max_body_bytes: int = Field(default=16 * 1024 * 1024, gt=0)
     connect_timeout_s: float = Field(default=2.0, gt=0)
     read_timeout_s: float = Field(default=600.0, gt=0)

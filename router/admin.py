@@ -1,5 +1,7 @@
 """Admin REST (FastAPI, so operators get an OpenAPI page at ``/admin/docs``): the worker list, adding and
-removing workers at run time. Protected by a bearer token when ``admin_token`` is configured.
+removing workers at run time. Secure by default (:mod:`kvroute.router.admin_auth`): a bearer token when
+``admin_token`` is configured, else read-only routes for loopback clients only. Workers added at run time
+must match ``admin_worker_allowlist`` and are never link-local (cloud metadata) addresses unless listed.
 
 The index inspection and route explain parts are FastAPI ``APIRouter``s the composition root passes to
 :func:`build_admin_app`; they depend on :func:`require_admin` and read the state with :func:`state_of`.
@@ -7,12 +9,12 @@ The index inspection and route explain parts are FastAPI ``APIRouter``s the comp
 
 from __future__ import annotations
 
-import hmac
 from typing import Any, cast
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from kvroute.config import WorkerConfig
+from kvroute.router.admin_auth import check_admin, worker_refusal
 from kvroute.router.errors import ApiError, api_error_response, error_response
 from kvroute.router.state import RouterState
 from pydantic import BaseModel, ValidationError
@@ -25,14 +27,8 @@ def state_of(request: Request) -> RouterState:
 
 
 async def require_admin(request: Request) -> None:
-    """Bearer-token check; a no-op when no token is configured (then bind the router to a private address)."""
-    token = state_of(request).config.admin_token
-    if not token:
-        return
-    given = request.headers.get("authorization", "")
-    scheme, _, value = given.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), token.encode()):
-        raise ApiError(401, "admin endpoints need 'Authorization: Bearer <admin token>'", "unauthorized")
+    """Bearer token when configured; without one, read-only from loopback only (:mod:`.admin_auth`)."""
+    check_admin(request, state_of(request).config.admin_token)
 
 
 class RemoveWorker(BaseModel):
@@ -56,11 +52,15 @@ async def add_worker(request: Request) -> dict[str, Any]:
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in exc.errors())
         raise ApiError(400, f"invalid worker: {problems}", "invalid_worker") from None
-    registry = state_of(request).registry
+    state = state_of(request)
+    refusal = worker_refusal(cfg.url, state.config.admin_worker_allowlist)
+    if refusal is not None:
+        raise ApiError(403, f"worker refused: {refusal}", "worker_not_allowed", "permission_error")
+    registry = state.registry
     if registry.get(cfg.worker_id) is not None:
         raise ApiError(409, f"worker {cfg.worker_id!r} already exists", "worker_exists", "conflict")
-    state = await registry.add(cfg)
-    return state.to_dict()
+    added = await registry.add(cfg)
+    return added.to_dict()
 
 
 @router.delete("/workers/{worker_id}", summary="Remove a worker by id")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -219,6 +220,11 @@ def _ready(state: RouterState) -> Callable[[Request], Any]:
 
 def _metrics(state: RouterState) -> Callable[[Request], Any]:
     async def endpoint(request: Request) -> Response:
+        token = state.config.metrics_token
+        if token:
+            scheme, _, value = request.headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), token.encode()):
+                return error_response(401, "/metrics needs 'Authorization: Bearer <metrics token>'", "unauthorized")
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
     return endpoint

@@ -8,7 +8,6 @@ the page itself holds no data and calls them with the token the operator supplie
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -16,6 +15,8 @@ from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from fastapi.responses import HTMLResponse
 from kvroute.indexer.backend import IndexUnavailable
 from kvroute.indexer.service import KVIndexer
+from kvroute.router.admin_auth import Token, check_admin
+from kvroute.router.errors import ApiError
 from kvroute.vocabulary import Tier
 from pydantic import BaseModel, Field, model_validator
 
@@ -45,20 +46,14 @@ class LookupBody(BaseModel):
         return self
 
 
-def _bearer(token: str | Callable[[], str | None] | None) -> Callable[[Request], Awaitable[None]]:
+def _bearer(token: Token) -> Callable[[Request], Awaitable[None]]:
     """``token`` may be a callable, read on each request (a reloaded config can change it)."""
 
     async def check(request: Request) -> None:
-        token_now = token() if callable(token) else token
-        if not token_now:
-            return
-        scheme, _, value = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), token_now.encode()):
-            raise HTTPException(
-                401,
-                "admin endpoints need 'Authorization: Bearer <admin token>'",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
+        try:
+            check_admin(request, token)
+        except ApiError as exc:
+            raise HTTPException(exc.status, exc.message, headers={"WWW-Authenticate": "Bearer"}) from None
 
     return check
 

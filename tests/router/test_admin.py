@@ -47,7 +47,7 @@ async def test_add_and_remove_workers_at_run_time(client: httpx.AsyncClient) -> 
         assert (await client.get(url + "/ready")).status_code == 503
 
 
-async def test_admin_without_token_is_open_and_has_openapi(two_workers, client: httpx.AsyncClient) -> None:
+async def test_admin_without_token_reads_from_loopback_and_has_openapi(two_workers, client: httpx.AsyncClient) -> None:
     w1, _ = two_workers
     async with run_router([w1.url]) as (url, _app):
         assert (await client.get(url + "/admin/workers")).status_code == 200
