@@ -31,6 +31,11 @@ async def require_admin(request: Request) -> None:
     check_admin(request, state_of(request).config.admin_token)
 
 
+async def require_admin_read(request: Request) -> None:
+    """:func:`require_admin` for a POST that changes nothing (a dry run)."""
+    check_admin(request, state_of(request).config.admin_token, read_only=True)
+
+
 class RemoveWorker(BaseModel):
     id: str | None = None
     url: str | None = None

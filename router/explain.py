@@ -11,7 +11,7 @@ from typing import Any
 
 import orjson
 from fastapi import APIRouter, Depends, Request
-from kvroute.router.admin import require_admin, state_of
+from kvroute.router.admin import require_admin_read, state_of
 from kvroute.router.errors import ApiError
 from kvroute.router.requests import CHAT, COMPLETIONS, parse_request
 from pydantic import BaseModel, ConfigDict
@@ -31,7 +31,7 @@ def explain_router() -> APIRouter:
 
     @router.post(
         "/route/explain",
-        dependencies=[Depends(require_admin)],
+        dependencies=[Depends(require_admin_read)],
         summary="Dry-run the routing decision: every candidate plan, its cost breakdown, the choice",
     )
     async def explain(body: ExplainBody, request: Request) -> dict[str, Any]:

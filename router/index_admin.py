@@ -46,12 +46,12 @@ class LookupBody(BaseModel):
         return self
 
 
-def _bearer(token: Token) -> Callable[[Request], Awaitable[None]]:
+def _bearer(token: Token, read_only: bool | None = None) -> Callable[[Request], Awaitable[None]]:
     """``token`` may be a callable, read on each request (a reloaded config can change it)."""
 
     async def check(request: Request) -> None:
         try:
-            check_admin(request, token)
+            check_admin(request, token, read_only=read_only)
         except ApiError as exc:
             raise HTTPException(exc.status, exc.message, headers={"WWW-Authenticate": "Bearer"}) from None
 
@@ -82,6 +82,7 @@ def index_admin_router(
     """The index admin API over ``indexer``; ``tokenize`` enables ``prompt``/``messages`` lookups."""
     router = APIRouter(tags=["index"])
     guarded = [Depends(_bearer(token))]
+    lookup_guard = [Depends(_bearer(token, read_only=True))]  # a POST that only computes
 
     @router.get("/index/stats", dependencies=guarded, summary="Blocks per worker and tier, event rates, lag")
     async def stats() -> dict[str, Any]:
@@ -122,7 +123,7 @@ def index_admin_router(
 
     @router.post(
         "/index/lookup",
-        dependencies=guarded,
+        dependencies=lookup_guard,
         summary="Per-worker, per-tier match of a prompt (model + prompt | messages | token_ids)",
     )
     async def lookup(body: LookupBody) -> dict[str, Any]:
