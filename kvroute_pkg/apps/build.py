@@ -22,6 +22,8 @@ from kvroute.policies import Policy, create_policy
 from kvroute.policies.base import ModelFigures, PoolContext
 from kvroute.router.app import create_app
 from kvroute.router.conversations import ConversationStore, MemoryConversationStore, RedisConversationStore
+from kvroute.router.discovery import build_discovery
+from kvroute.router.discovery.event_sources import EventSourceProbe
 from kvroute.router.explain import explain_router
 from kvroute.router.facts import FactGatherer
 from kvroute.router.flow import RequestFlow
@@ -175,9 +177,14 @@ def build_state(
         debug_headers=c.debug_headers,
     )
     services: list[Service] = [registry]
+    # Workers given by URL only (or discovered) are asked where they publish KV events.
+    probe = EventSourceProbe(transport, metrics.registry) if not c.index.events_bind else None
+    discovery = build_discovery(c, registry, transport, metrics.registry, probe)  # Kubernetes pods, DNS names
+    if discovery is not None:
+        services.append(discovery)
     subscriptions = None
     if c.index.subscribe:
-        subscriptions = SubscriptionSync(registry, make_subscriber(c, indexer), indexer, kv_metrics)
+        subscriptions = SubscriptionSync(registry, make_subscriber(c, indexer), indexer, kv_metrics, probe)
         services.append(subscriptions)
     services.append(Closing("tokenizer client", tokenize_client.aclose))
     if conversations is not None:

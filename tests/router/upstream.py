@@ -161,6 +161,9 @@ class FakeWorker:
                 orjson.dumps({"tokens": [1, 2, 3], "count": 3, "worker": self.name}), media_type="application/json"
             )
 
+        async def not_found(request: Request) -> Response:
+            return Response(b'{"detail":"Not Found"}', status_code=404, media_type="application/json")
+
         async def elsewhere(request: Request) -> Response:
             raw = await request.body()
             self.seen.append({"path": request.url.path, "headers": dict(request.headers), "body": None, "raw": raw})
@@ -174,6 +177,8 @@ class FakeWorker:
                 Route("/v1/completions", generate, methods=["POST"]),
                 Route("/v1/chat/completions", generate, methods=["POST"]),
                 Route("/tokenize", tokenize, methods=["POST"]),
+                # An older vLLM: no GET /kv_event_sources (the router asks; not recorded, it is no client call).
+                Route("/kv_event_sources", not_found),
                 # Anything else is recorded (a request that should never have reached a worker shows) and
                 # answered as a server without that path would.
                 Route("/{path:path}", elsewhere, methods=["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"]),
