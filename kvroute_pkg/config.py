@@ -189,6 +189,15 @@ class RouterConfig(_Strict):
     read_timeout_s: float = Field(default=600.0, gt=0)
     health_interval_s: float = Field(default=2.0, gt=0)
     metrics_interval_s: float = Field(default=1.0, gt=0)
+    retry_attempts: int = Field(
+        default=3,
+        ge=1,
+        le=16,
+        description="Workers tried for one request when they fail or refuse (503/429) before answering",
+    )
+    refusal_cooldown_s: float = Field(
+        default=1.0, ge=0, description="How long a worker that refused a request (admission control) counts as full"
+    )
     unhealthy_after: int = Field(default=2, ge=1, description="Failed probes before a worker is marked down")
     healthy_after: int = Field(default=1, ge=1, description="Good probes before a down worker is marked up")
     http_client: Literal["auto", "httpx", "aiohttp"] = Field(

@@ -14,6 +14,7 @@ recomputation on the decode worker, and an engine that misses a peer lookup reco
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Collection
@@ -25,7 +26,7 @@ from kvroute.policies.base import NoWorkerError, Policy, RoutePlan
 from kvroute.router.conversations import ConversationStore, entry_from_turn
 from kvroute.router.errors import ApiError, model_not_found, no_healthy_worker
 from kvroute.router.facts import FactGatherer, Facts
-from kvroute.router.forwarding import Forwarder, Result
+from kvroute.router.forwarding import Forwarder, RawResponse, Result, response_headers
 from kvroute.router.kv_metrics import KVRouteMetrics
 from kvroute.router.kv_params import KVParamsError, Leg, Legs, build_legs
 from kvroute.router.metrics import RouterMetrics
@@ -62,6 +63,26 @@ class Delivery:
         return self.legs is None or (self.legs.prefill is None and self.legs.final is not None)
 
 
+#: Worker answers that mean "not now, try elsewhere" when they come before any byte of an answer.
+REFUSAL_STATUSES = frozenset({429, 503})
+#: Pause before offering every worker again when all of them refused.
+REFUSED_BACKOFF_S = 0.05
+
+
+class Rejected(UpstreamError):
+    """A worker refused the request before doing any work; its answer is kept in case everyone refuses."""
+
+    def __init__(self, worker_id: str, status: int, headers: list[tuple[str, str]], body: bytes) -> None:
+        super().__init__("rejected", f"worker {worker_id} refused the request ({status})")
+        self.worker_id = worker_id
+        self.status = status
+        self.headers = headers
+        self.body = body
+
+    def response(self, request_id: str) -> Response:
+        return RawResponse(self.body, self.status, response_headers(self.headers, request_id))
+
+
 class PrefillFailed(RuntimeError):
     """The prefill leg answered, but not with something the decode leg can use."""
 
@@ -82,6 +103,8 @@ class RequestFlow:
         protocol: KVProtocol = "none",
         conversations: ConversationStore | None = None,
         debug_headers: bool = False,
+        max_attempts: int = 3,
+        refusal_cooldown_s: float = 1.0,
     ) -> None:
         self.registry = registry
         #: Replaceable at run time (tests swap in a fixed plan); read once per decision.
@@ -94,27 +117,43 @@ class RequestFlow:
         self.protocol = protocol
         self.conversations = conversations
         self.allow_debug = debug_headers
+        self.max_attempts = max_attempts
+        self.refusal_cooldown_s = refusal_cooldown_s
 
     # ------------------------------------------------------------------ serve: the whole flow
 
     async def handle(self, request: ParsedRequest) -> Response:
-        """Decide, carry out, and retry once on another worker when the first one failed before answering."""
+        """Decide and carry out; a worker that failed or refused (admission control) before answering is
+        replaced by the next-best plan, never the same worker twice, ``max_attempts`` in all. When every
+        candidate refused, back off briefly and offer them all again; the last refusal is the answer."""
         decision = await self.decide(request)
-        try:
-            return await self.execute(decision)
-        except UpstreamError as first:
-            if first.kind == "timeout":
-                raise upstream_api_error(first) from None
-            log.warning("request %s: %s; retrying on another worker", request.request_id, first)
+        failure: UpstreamError | None = None
+        for attempt in range(1, self.max_attempts + 1):
+            try:
+                return await self.execute(decision)
+            except UpstreamError as exc:
+                if exc.kind == "timeout":
+                    raise upstream_api_error(exc) from None
+                failure = exc
+            if attempt == self.max_attempts:
+                break
+            log.info("request %s: %s; trying another worker", request.request_id, failure)
             try:
                 decision = await self.decide(request, exclude=request.tried, facts=decision.facts)
             except ApiError:
-                raise upstream_api_error(first) from None
+                if not isinstance(failure, Rejected):
+                    break
+                await asyncio.sleep(REFUSED_BACKOFF_S * attempt)  # everyone refused: give queues a moment
+                request.tried.clear()
+                try:
+                    decision = await self.decide(request, facts=decision.facts)
+                except ApiError:
+                    break
             self.metrics.retries.inc()
-            try:
-                return await self.execute(decision)
-            except UpstreamError as second:
-                raise upstream_api_error(second) from None
+        assert failure is not None
+        if isinstance(failure, Rejected):
+            return failure.response(request.request_id)
+        raise upstream_api_error(failure) from None
 
     # ------------------------------------------------------------------ tokens -> keys -> lookup -> policy
 
@@ -213,6 +252,11 @@ class RequestFlow:
         opened = await self.forwarder.open(
             worker_id, request.method, request.path, request.headers, body, request.started
         )
+        if opened.upstream.status in REFUSAL_STATUSES and opened.rest is None:
+            # Refused before any work (vLLM's admission control answers 503 "retry on another instance").
+            self.registry.release(worker_id)
+            self.registry.reject(worker_id, opened.upstream.status, self.refusal_cooldown_s)
+            raise Rejected(worker_id, opened.upstream.status, opened.upstream.headers, opened.first)
         if (
             request.conversation_id
             and self.conversations is not None

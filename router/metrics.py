@@ -55,6 +55,12 @@ class RouterMetrics:
             "kvroute_upstream_errors_total", "Failed upstream calls", ["worker", "kind"], registry=r
         )
         self.retries = Counter("kvroute_retries_total", "Requests retried on another worker", registry=r)
+        self.rejections = Counter(
+            "kvroute_admission_rejections_total",
+            "Requests a worker refused before answering (vLLM admission control 503, 429), by worker and status",
+            ["worker", "status"],
+            registry=r,
+        )
         self.inflight = Gauge(
             "kvroute_worker_inflight", "Requests the router has in flight to each worker", ["worker"], registry=r
         )

@@ -65,6 +65,8 @@ class WorkerState:
     fail_streak: int = 0
     last_error: str | None = None
     changed_at: float = field(default_factory=time.time)
+    #: Until when (monotonic) the worker counts as full: it refused a request (admission control).
+    full_until: float = 0.0
 
     @property
     def id(self) -> str:
@@ -219,8 +221,20 @@ class WorkerRegistry:
         return list(seen)
 
     def views(self, model: str | None) -> list[WorkerView]:
-        """Healthy workers serving ``model`` (any model when None), as the policies see them."""
-        return [s.view() for s in self._workers.values() if s.healthy and (model is None or s.serves(model))]
+        """Healthy workers serving ``model`` (any model when None), as the policies see them. A worker that
+        just refused a request (admission control) is left out until its cool-down ends, unless every
+        candidate is in that state (then all are offered: someone has to take the request)."""
+        serving = [s for s in self._workers.values() if s.healthy and (model is None or s.serves(model))]
+        now = time.monotonic()
+        room = [s for s in serving if s.full_until <= now]
+        return [s.view() for s in (room or serving)]
+
+    def reject(self, worker_id: str, status: int, cooldown_s: float) -> None:
+        """``worker_id`` refused a request (503/429 before any byte): treat it as full for ``cooldown_s``."""
+        state = self._workers.get(worker_id)
+        if state is not None:
+            state.full_until = time.monotonic() + cooldown_s
+        self._metrics.rejections.labels(worker_id, str(status)).inc()
 
     def knows_model(self, model: str) -> bool:
         return any(s.serves(model) for s in self._workers.values())

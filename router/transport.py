@@ -17,7 +17,7 @@ import httpx
 if TYPE_CHECKING:
     import aiohttp
 
-ErrorKind = Literal["connect", "timeout", "protocol"]
+ErrorKind = Literal["connect", "timeout", "protocol", "rejected"]
 
 
 class UpstreamError(Exception):

@@ -175,6 +175,8 @@ def build_state(
         protocol=c.pool.kv_protocol,
         conversations=conversations,
         debug_headers=c.debug_headers,
+        max_attempts=c.retry_attempts,
+        refusal_cooldown_s=c.refusal_cooldown_s,
     )
     services: list[Service] = [registry]
     # Workers given by URL only (or discovered) are asked where they publish KV events.

@@ -37,6 +37,8 @@ class FakeWorker:
     running: int = 0
     waiting: int = 0
     seen: list[dict[str, Any]] = field(default_factory=list)
+    #: Answer generation requests with admission control's 503 (a full engine with queue limits).
+    refusing: bool = False
     #: Set when a generation was cut short (the client of the worker, i.e. the router, went away).
     aborted: asyncio.Event = field(default_factory=asyncio.Event)
     started: asyncio.Event = field(default_factory=asyncio.Event)
@@ -128,6 +130,11 @@ class FakeWorker:
             self.seen.append({"path": request.url.path, "headers": dict(request.headers), "body": body, "raw": raw})
             self.started.set()
             headers = {"x-seen-request-id": request.headers.get("x-request-id", "")}
+            if self.refusing:
+                error = {
+                    "error": {"message": "queue full, retry on another instance", "type": "Unavailable", "code": 503}
+                }
+                return Response(orjson.dumps(error), status_code=503, media_type="application/json", headers=headers)
             if self.delay_s and await self._client_left_during(request, self.delay_s):
                 # Like vLLM: a client that hung up gets its request aborted.
                 self.aborted.set()
