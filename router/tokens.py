@@ -262,17 +262,27 @@ class LocalTokenizer:
 
 
 class RemoteTokenizer:
-    """The worker's ``POST /tokenize`` (vLLM accepts ``prompt`` or ``messages``), results cached exactly."""
+    """The workers' ``POST /tokenize`` (vLLM accepts ``prompt`` or ``messages``), results cached exactly.
+
+    Spread over the healthy workers serving the model (``urls()``, asked per call) in turn, so no one worker
+    carries it; a worker that fails or is slow is skipped at once for the next one, and the call fails only
+    when every one of them failed (then the request is routed without the index)."""
 
     def __init__(
-        self, client: httpx.AsyncClient, base_url: str, model: str, cache_entries: int = 256, timeout_s: float = 5.0
+        self,
+        client: httpx.AsyncClient,
+        urls: Callable[[], Sequence[str]],
+        model: str,
+        cache_entries: int = 256,
+        timeout_s: float = 2.0,
     ) -> None:
         self.client = client
-        self.url = base_url.rstrip("/") + "/tokenize"
+        self.urls = urls
         self.model = model
         self.timeout_s = timeout_s
         self.cache_entries = cache_entries
         self._cache: OrderedDict[bytes, list[int]] = OrderedDict()
+        self._turn = 0
 
     async def _tokenize(self, payload: dict[str, Any]) -> list[int]:
         key = orjson.dumps(payload, option=orjson.OPT_SORT_KEYS)
@@ -280,24 +290,40 @@ class RemoteTokenizer:
         if cached is not None:
             self._cache.move_to_end(key)
             return list(cached)
+        urls = list(self.urls())
+        if not urls:
+            raise TokenizeError(f"no healthy worker serving {self.model!r} to tokenize with")
+        self._turn += 1
+        problems = []
+        for i in range(len(urls)):
+            url = urls[(self._turn + i) % len(urls)].rstrip("/") + "/tokenize"
+            try:
+                tokens = await self._ask(url, key)
+            except TokenizeError as exc:
+                problems.append(str(exc))
+                continue
+            self._cache[key] = tokens
+            if len(self._cache) > self.cache_entries:
+                self._cache.popitem(last=False)
+            return list(tokens)
+        raise TokenizeError("; ".join(problems))
+
+    async def _ask(self, url: str, payload: bytes) -> list[int]:
         try:
             resp = await self.client.post(
-                self.url, content=key, timeout=self.timeout_s, headers={"content-type": "application/json"}
+                url, content=payload, timeout=self.timeout_s, headers={"content-type": "application/json"}
             )
         except httpx.HTTPError as exc:
-            raise TokenizeError(f"tokenize at {self.url} failed: {type(exc).__name__}: {exc}") from None
+            raise TokenizeError(f"tokenize at {url} failed: {type(exc).__name__}: {exc}") from None
         if resp.status_code != 200:
-            raise TokenizeError(f"tokenize at {self.url} answered {resp.status_code}: {resp.text[:200]}")
+            raise TokenizeError(f"tokenize at {url} answered {resp.status_code}: {resp.text[:200]}")
         try:
             tokens = resp.json()["tokens"]
         except (ValueError, KeyError, TypeError):
-            raise TokenizeError(f"tokenize at {self.url} answered without a token list") from None
+            raise TokenizeError(f"tokenize at {url} answered without a token list") from None
         if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
-            raise TokenizeError(f"tokenize at {self.url} answered a malformed token list")
-        self._cache[key] = tokens
-        if len(self._cache) > self.cache_entries:
-            self._cache.popitem(last=False)
-        return list(tokens)
+            raise TokenizeError(f"tokenize at {url} answered a malformed token list")
+        return tokens
 
     async def prompt_tokens(self, prompt: str) -> list[int]:
         if not isinstance(prompt, str):
@@ -365,21 +391,22 @@ class Tokenizers:
     def __init__(
         self,
         client: httpx.AsyncClient,
-        worker_url_for: Callable[[str], str | None],
+        worker_urls_for: Callable[[str], Sequence[str]],
         local: Mapping[str, tuple[str, str | None]] | None = None,
     ) -> None:
         self.client = client
-        self.worker_url_for = worker_url_for
+        #: The healthy workers serving a model, asked on every remote tokenization (they come and go).
+        self.worker_urls_for = worker_urls_for
         self._local_specs = dict(local or {})
         self._sources: dict[str, TokenSource] = {}
 
     @classmethod
     def from_models(
-        cls, models: Sequence[Any], client: httpx.AsyncClient, worker_url_for: Callable[[str], str | None]
+        cls, models: Sequence[Any], client: httpx.AsyncClient, worker_urls_for: Callable[[str], Sequence[str]]
     ) -> Tokenizers:
         """From the router config's ``models`` (each with ``name``, ``tokenizer``, ``chat_template``)."""
         local = {m.name: (m.tokenizer, m.chat_template) for m in models if getattr(m, "tokenizer", None)}
-        return cls(client, worker_url_for, local)
+        return cls(client, worker_urls_for, local)
 
     def update_models(self, models: Sequence[Any]) -> list[str]:
         """Take a reloaded config's models: sources whose tokenizer changed are rebuilt on next use."""
@@ -398,10 +425,9 @@ class Tokenizers:
             path, template = self._local_specs[model]
             src = PluginTokenizer(path) if path.startswith(PluginTokenizer.PREFIX) else LocalTokenizer(path, template)
         else:
-            url = self.worker_url_for(model)
-            if not url:
+            if not self.worker_urls_for(model):
                 raise TokenizeError(f"no tokenizer configured and no worker serving model {model!r}")
-            src = RemoteTokenizer(self.client, url, model)
+            src = RemoteTokenizer(self.client, lambda: self.worker_urls_for(model), model)
         self._sources[model] = src
         return src
 

@@ -155,11 +155,10 @@ def build_state(
     indexer = make_indexer(c)
     tokenize_client = httpx.AsyncClient(timeout=10.0, limits=httpx.Limits(max_connections=64))
 
-    def worker_url_for(model: str) -> str | None:
-        healthy = [w for w in registry.all() if w.healthy and w.serves(model)]
-        return healthy[0].url if healthy else None
+    def worker_urls_for(model: str) -> list[str]:
+        return [w.url for w in registry.all() if w.healthy and w.serves(model)]
 
-    tokenizers = Tokenizers.from_models(c.models, tokenize_client, worker_url_for)
+    tokenizers = Tokenizers.from_models(c.models, tokenize_client, worker_urls_for)
     conversations = make_conversations(c)
     policy = policy or create_policy(c.policy, pool_context(c), **c.policy_options)
     forwarder = Forwarder(transport, registry, metrics)

@@ -167,7 +167,7 @@ async def test_remote_tokenize_prompt_and_messages(
 ) -> None:
     url, calls = server
     async with httpx.AsyncClient() as client:
-        remote = RemoteTokenizer(client, url, "m")
+        remote = RemoteTokenizer(client, lambda: [url], "m")
         messages = [{"role": "user", "content": "hello there"}]
         assert await remote.chat_tokens(messages) == local.encode_chat(messages)
         assert await remote.prompt_tokens("lazy dog") == local.encode_prompt("lazy dog")
@@ -179,12 +179,12 @@ async def test_remote_tokenize_prompt_and_messages(
 async def test_remote_errors_are_tokenize_errors(server: tuple[str, list[dict[str, object]]]) -> None:
     url, _ = server
     async with httpx.AsyncClient() as client:
-        remote = RemoteTokenizer(client, url, "m")
+        remote = RemoteTokenizer(client, lambda: [url], "m")
         with pytest.raises(TokenizeError, match="500"):
             await remote.prompt_tokens("boom")
         with pytest.raises(TokenizeError, match="malformed"):
             await remote.prompt_tokens("garbage")
-        dead = RemoteTokenizer(client, f"http://127.0.0.1:{free_port()}", "m")
+        dead = RemoteTokenizer(client, lambda: [f"http://127.0.0.1:{free_port()}"], "m")
         with pytest.raises(TokenizeError, match="failed"):
             await dead.prompt_tokens("x")
 
@@ -198,7 +198,7 @@ async def test_per_model_sources(
         SimpleNamespace(name="remote-model", tokenizer=None, chat_template=None),
     ]
     async with httpx.AsyncClient() as client:
-        toks = Tokenizers.from_models(models_cfg, client, lambda m: url if m == "remote-model" else None)
+        toks = Tokenizers.from_models(models_cfg, client, lambda m: [url] if m == "remote-model" else [])
         body = {"messages": [{"role": "user", "content": "hi"}]}
         assert isinstance(toks.source("local-model"), LocalTokenizer)
         assert await toks.tokens_for_body("local-model", body) == local.encode_chat(body["messages"])
@@ -209,3 +209,23 @@ async def test_per_model_sources(
         with pytest.raises(TokenizeError, match="no worker"):
             toks.source("unknown")
     assert len(calls) == 1
+
+
+async def test_remote_tokenizer_spreads_and_fails_over(server: tuple[str, list[dict[str, object]]]) -> None:
+    """A dead or stalled worker costs nothing: the next healthy one answers; calls rotate over workers."""
+    url, calls = server
+    stalled = await asyncio.start_server(lambda r, w: asyncio.sleep(30), "127.0.0.1", 0)  # accepts, never answers
+    stalled_url = f"http://127.0.0.1:{stalled.sockets[0].getsockname()[1]}"
+    dead_url = f"http://127.0.0.1:{free_port()}"
+    try:
+        async with httpx.AsyncClient() as client:
+            remote = RemoteTokenizer(client, lambda: [dead_url, stalled_url, url], "m", timeout_s=0.3)
+            for i in range(3):
+                assert await remote.prompt_tokens(f"prompt {i}")
+        assert len(calls) == 3  # every call reached the one worker that answers
+    finally:
+        stalled.close()
+    async with httpx.AsyncClient() as client:
+        nobody = RemoteTokenizer(client, lambda: [], "m")
+        with pytest.raises(TokenizeError, match="no healthy worker"):
+            await nobody.prompt_tokens("x")
