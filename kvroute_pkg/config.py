@@ -189,6 +189,12 @@ class RouterConfig(_Strict):
     read_timeout_s: float = Field(default=600.0, gt=0)
     health_interval_s: float = Field(default=2.0, gt=0)
     metrics_interval_s: float = Field(default=1.0, gt=0)
+    first_byte_timeout_s: float | None = Field(
+        default=120.0,
+        gt=0,
+        description="A stream whose first bytes take longer is given up and retried on another worker (the worker "
+        "is probed at once); null = only read_timeout_s bounds it",
+    )
     retry_attempts: int = Field(
         default=3,
         ge=1,

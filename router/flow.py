@@ -250,7 +250,7 @@ class RequestFlow:
             worker_id, body = final.worker_id, orjson.dumps(final.body)
         request.tried.add(worker_id)
         opened = await self.forwarder.open(
-            worker_id, request.method, request.path, request.headers, body, request.started
+            worker_id, request.method, request.path, request.headers, body, request.started, stream=request.stream
         )
         if opened.upstream.status in REFUSAL_STATUSES and opened.rest is None:
             # Refused before any work (vLLM's admission control answers 503 "retry on another instance").

@@ -10,6 +10,7 @@ client disconnect cancels generation.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
@@ -142,33 +143,61 @@ class Opened:
 class Forwarder:
     """Sends requests to workers through the shared transport, keeping in-flight counts and metrics."""
 
-    def __init__(self, transport: Transport, registry: WorkerRegistry, metrics: RouterMetrics) -> None:
+    def __init__(
+        self,
+        transport: Transport,
+        registry: WorkerRegistry,
+        metrics: RouterMetrics,
+        *,
+        first_byte_timeout_s: float | None = None,
+    ) -> None:
         self.transport = transport
         self.registry = registry
         self.metrics = metrics
+        #: A stream whose first bytes take longer is given up (and retried elsewhere): the worker is stuck.
+        self.first_byte_timeout_s = first_byte_timeout_s
+        #: Requests waiting for a worker's first bytes, by worker: cut short when it goes down.
+        self._waiting: dict[str, set[asyncio.Timeout]] = {}
+        registry.listeners.append(self._on_health)
+
+    def _on_health(self, worker_id: str, healthy: bool) -> None:
+        """A worker went down: whoever still waits for its first bytes stops waiting now (and is retried)."""
+        if healthy:
+            return
+        now = asyncio.get_running_loop().time()
+        for waiting in self._waiting.get(worker_id, ()):
+            waiting.reschedule(now)
 
     async def open(
-        self, worker_id: str, method: str, path: str, headers: list[tuple[str, str]], body: bytes, started: float
+        self,
+        worker_id: str,
+        method: str,
+        path: str,
+        headers: list[tuple[str, str]],
+        body: bytes,
+        started: float,
+        *,
+        stream: bool = False,
     ) -> Opened:
-        """Send and wait for the first bytes; UpstreamError only happens before any byte left for us."""
+        """Send and wait for the first bytes; UpstreamError only happens before any byte left for us.
+
+        The wait ends early (kind ``stalled``, retryable) when the worker goes down meanwhile, and for a
+        stream after ``first_byte_timeout_s``; a non-streamed answer comes whole, so only its read timeout
+        bounds it."""
         state = self.registry.get(worker_id)
         if state is None:
             raise UpstreamError("connect", f"worker {worker_id} was removed")
         self.registry.acquire(worker_id)
+        waiting = asyncio.timeout(self.first_byte_timeout_s if stream else None)
+        waiters = self._waiting.setdefault(worker_id, set())
+        waiters.add(waiting)
         try:
-            upstream = await self.transport.request(method, state.url + path, headers, body)
             try:
-                ctype = next((v for k, v in upstream.headers if k.lower() == "content-type"), "")
-                rest: AsyncGenerator[bytes, None] | None
-                if ctype.startswith("text/event-stream"):
-                    chunks = upstream.chunks()
-                    rest, first = chunks, await anext(chunks, b"")
-                else:
-                    first, rest = await upstream.read(), None
-                    await upstream.aclose()
-            except BaseException:
-                await upstream.aclose()
-                raise
+                async with waiting:
+                    upstream, first, rest = await self._first_bytes(state.url + path, method, headers, body)
+            except TimeoutError:
+                self.registry.probe_soon(worker_id)
+                raise UpstreamError("stalled", f"worker {worker_id} sent no first byte in time") from None
         except UpstreamError as exc:
             self.registry.release(worker_id)
             self.metrics.upstream_errors.labels(worker_id, exc.kind).inc()
@@ -178,7 +207,25 @@ class Forwarder:
         except BaseException:
             self.registry.release(worker_id)
             raise
+        finally:
+            waiters.discard(waiting)
         return Opened(worker_id, upstream, first, rest, time.perf_counter() - started)
+
+    async def _first_bytes(
+        self, url: str, method: str, headers: list[tuple[str, str]], body: bytes
+    ) -> tuple[UpstreamResponse, bytes, AsyncGenerator[bytes, None] | None]:
+        upstream = await self.transport.request(method, url, headers, body)
+        try:
+            ctype = next((v for k, v in upstream.headers if k.lower() == "content-type"), "")
+            if ctype.startswith("text/event-stream"):
+                chunks = upstream.chunks()
+                return upstream, await anext(chunks, b""), chunks
+            first = await upstream.read()
+            await upstream.aclose()
+            return upstream, first, None
+        except BaseException:
+            await upstream.aclose()
+            raise
 
     def respond(
         self, opened: Opened, request_id: str, done: Done, extra_headers: list[tuple[bytes, bytes]] | None = None

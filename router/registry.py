@@ -170,6 +170,7 @@ class WorkerRegistry:
         self.healthy_after = healthy_after
         self.probe_timeout_s = probe_timeout_s
         self._tasks: list[asyncio.Task[None]] = []
+        self._oneoff: set[asyncio.Task[None]] = set()
         #: Called with (worker_id, healthy) on each transition (e.g. the indexer purges a dead worker).
         self.listeners: list[Callable[[str, bool], None]] = []
         for cfg in workers:
@@ -291,10 +292,35 @@ class WorkerRegistry:
             except Exception:
                 log.exception("health listener failed for %s", state.id)
 
+    def stalled(self, worker_id: str, error: str) -> None:
+        """The worker accepts connections but does not answer (a hung process, SIGSTOP): down at once,
+        without waiting for ``unhealthy_after`` probes; a good probe brings it back as usual."""
+        state = self._workers.get(worker_id)
+        if state is None:
+            return
+        state.fail_streak = max(state.fail_streak, self.unhealthy_after)
+        state.ok_streak = 0
+        state.last_error = error
+        if state.healthy is not False:
+            self._transition(state, False, error)
+
+    def probe_soon(self, worker_id: str) -> None:
+        """Probe one worker now (a request to it stalled): a hang is confirmed in one probe timeout."""
+        state = self._workers.get(worker_id)
+        if state is not None:
+            task = asyncio.create_task(self._probe(state), name=f"probe-{worker_id}")
+            self._oneoff.add(task)
+            task.add_done_callback(self._oneoff.discard)
+
     async def _probe(self, state: WorkerState) -> None:
         try:
             status, _ = await self._transport.get(state.url + "/health", self.probe_timeout_s)
             ok, error = status == 200, f"/health answered {status}"
+        except TimeoutError:
+            # /health is cheap on a live engine (vLLM's API server answers it while the GPU is busy): no
+            # answer within the probe timeout means the process is stuck.
+            self.stalled(state.id, f"/health did not answer within {self.probe_timeout_s:.1f} s")
+            return
         except Exception as exc:  # any failure of a probe is a failed probe, never a crash
             ok, error = False, f"/health failed: {exc!r}"
         if ok and not state.config.models and (not state.discovered_models or state.healthy is not True):

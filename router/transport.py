@@ -17,7 +17,7 @@ import httpx
 if TYPE_CHECKING:
     import aiohttp
 
-ErrorKind = Literal["connect", "timeout", "protocol", "rejected"]
+ErrorKind = Literal["connect", "timeout", "protocol", "rejected", "stalled"]
 
 
 class UpstreamError(Exception):

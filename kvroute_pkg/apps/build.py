@@ -161,7 +161,7 @@ def build_state(
     tokenizers = Tokenizers.from_models(c.models, tokenize_client, worker_urls_for)
     conversations = make_conversations(c)
     policy = policy or create_policy(c.policy, pool_context(c), **c.policy_options)
-    forwarder = Forwarder(transport, registry, metrics)
+    forwarder = Forwarder(transport, registry, metrics, first_byte_timeout_s=c.first_byte_timeout_s)
     facts = FactGatherer(registry, kv_metrics, tokenizers=tokenizers, indexer=indexer, conversations=conversations)
     flow = RequestFlow(
         registry,

@@ -39,6 +39,8 @@ class FakeWorker:
     seen: list[dict[str, Any]] = field(default_factory=list)
     #: Answer generation requests with admission control's 503 (a full engine with queue limits).
     refusing: bool = False
+    #: Stop answering anything, /health included (a hung process, SIGSTOP): requests wait until cut off.
+    hung: bool = False
     #: Set when a generation was cut short (the client of the worker, i.e. the router, went away).
     aborted: asyncio.Event = field(default_factory=asyncio.Event)
     started: asyncio.Event = field(default_factory=asyncio.Event)
@@ -231,7 +233,14 @@ async def serve(app: Any, lifespan: str = "off") -> AsyncIterator[str]:
 
 @contextlib.asynccontextmanager
 async def serve_worker(worker: FakeWorker) -> AsyncIterator[FakeWorker]:
-    async with serve(worker.app()) as url:
+    app = worker.app()
+
+    async def maybe_hung(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and worker.hung:
+            await asyncio.sleep(3600)  # like a stopped process: the connection is accepted, nothing answers
+        await app(scope, receive, send)
+
+    async with serve(maybe_hung) as url:
         worker.url = url
         yield worker
 
