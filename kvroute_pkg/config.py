@@ -189,6 +189,13 @@ class RouterConfig(_Strict):
     read_timeout_s: float = Field(default=600.0, gt=0)
     health_interval_s: float = Field(default=2.0, gt=0)
     metrics_interval_s: float = Field(default=1.0, gt=0)
+    header_timeout_s: float = Field(
+        default=10.0, gt=0, description="A client's request headers must be complete this long after its first byte"
+    )
+    body_timeout_s: float = Field(default=60.0, gt=0, description="A request body must arrive whole within this")
+    max_connections: int = Field(
+        default=4096, ge=0, description="Client connections held at once; more are refused at once (0 = no limit)"
+    )
     first_byte_timeout_s: float | None = Field(
         default=120.0,
         gt=0,

@@ -136,6 +136,7 @@ def _passthrough(state: RouterState) -> Endpoint:
 
 def _endpoint(state: RouterState, *, generation: bool) -> Endpoint:
     limit = state.config.max_body_bytes
+    body_timeout = state.config.body_timeout_s
     mode = state.config.pool.client_kv_params
     forwarded = FORWARDED_HEADERS | {h.lower() for h in state.config.forward_headers}
     flow = state.flow
@@ -146,7 +147,7 @@ def _endpoint(state: RouterState, *, generation: bool) -> Endpoint:
         request_id = request_id_from(raw)
         route, model_label = (request.scope["path"], "unknown") if generation else ("other", "-")
         try:
-            body = await read_body(request, limit)
+            body = await read_body(request, limit, body_timeout)
             parsed: ParsedRequest = parse_request(
                 request.method,
                 request.scope["path"],

@@ -16,8 +16,17 @@ class ClientGone(Exception):
     """The client disconnected while we waited for the worker; the worker's request was cancelled."""
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The whole body, refusing (413) anything over ``limit`` bytes without buffering it."""
+async def read_body(request: Request, limit: int, timeout_s: float | None = None) -> bytes:
+    """The whole body, refusing (413) anything over ``limit`` bytes without buffering it, and (408) a body
+    that has not arrived whole within ``timeout_s`` (a client trickling bytes holds a connection)."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await _read_body(request, limit)
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {timeout_s:g} s", "request_timeout") from None
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None:
         if not declared.isdigit():

@@ -126,6 +126,7 @@ def run_router(
 
     import uvicorn
     from kvroute.apps.build import build_app
+    from kvroute.apps.http_protocol import guarded_protocol
 
     level = config.log_level.lower()
     setup_logging(level)
@@ -146,7 +147,7 @@ def run_router(
         host=config.host,
         port=config.port,
         loop=loop,
-        http="httptools",
+        http=guarded_protocol(config.header_timeout_s, config.max_connections),
         log_level=level,
         access_log=False,
         server_header=False,

@@ -1,0 +1,76 @@
+"""The HTTP/1.1 server protocol of ``kvroute serve``: uvicorn's httptools protocol with the limits it lacks.
+
+uvicorn times out idle keep-alive connections but not a client that sends its request headers a byte at a
+time (slowloris): such connections are held forever, and enough of them exhaust the process's file
+descriptors so every other client is refused. This protocol closes a connection whose request headers
+are not complete ``header_timeout_s`` after its first byte (or after it opened), and refuses connections
+beyond ``max_connections`` at once, before they cost anything. Slow bodies are bounded by the app
+(``body_timeout_s``, answered 408).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+log = logging.getLogger("kvroute.http")
+
+
+class GuardedHttpToolsProtocol(HttpToolsProtocol):
+    """Set the limits on a subclass (:func:`guarded_protocol`); uvicorn builds one instance per connection."""
+
+    header_timeout_s: float = 10.0
+    max_connections: int = 0
+    _header_timer: asyncio.TimerHandle | None = None
+    #: Connections refused or cut, process-wide (for the log's rate limit).
+    refused: int = 0
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if self.max_connections and len(self.connections) > self.max_connections:
+            GuardedHttpToolsProtocol.refused += 1
+            if GuardedHttpToolsProtocol.refused % 1000 == 1:  # one line per thousand, not one per connection
+                log.warning("over max_connections=%d: refusing connections", self.max_connections)
+            transport.close()
+            return
+        self._arm()
+
+    def _arm(self) -> None:
+        if self._header_timer is None and self.header_timeout_s:
+            self._header_timer = self.loop.call_later(self.header_timeout_s, self._headers_too_slow)
+
+    def _disarm(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _headers_too_slow(self) -> None:
+        self._header_timer = None
+        if not self.transport.is_closing():
+            GuardedHttpToolsProtocol.refused += 1
+            self.transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        if self.cycle is None or self.cycle.response_complete:  # a new request's first bytes: the clock runs
+            self._arm()
+        super().data_received(data)
+
+    def on_headers_complete(self) -> None:
+        self._disarm()
+        super().on_headers_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+
+def guarded_protocol(header_timeout_s: float, max_connections: int) -> type[Any]:
+    """A protocol class with these limits, for ``uvicorn.run(http=...)``."""
+    return type(
+        "KVRouteHttpProtocol",
+        (GuardedHttpToolsProtocol,),
+        {"header_timeout_s": header_timeout_s, "max_connections": max_connections},
+    )
