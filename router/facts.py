@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from kvroute.indexer.backend import IndexUnavailable
 from kvroute.indexer.service import KVIndexer
+from kvroute.logs import RateLimitedLog
 from kvroute.policies.base import Policy, RouteRequest
 from kvroute.router.conversations import ConversationEntry, ConversationStore
 from kvroute.router.kv_metrics import KVRouteMetrics
@@ -20,6 +21,8 @@ from kvroute.router.requests import ParsedRequest, prompt_text
 from kvroute.router.tokens import TokenizeError, Tokenizers
 
 log = logging.getLogger("kvroute.facts")
+#: Per-request failures (tokenizer down, conversation store down) are counted each time, logged rarely.
+limited = RateLimitedLog(log)
 
 
 @dataclass(slots=True)
@@ -83,7 +86,12 @@ class FactGatherer:
             tokens = await self.tokenizers.tokens_for_body(route.model, body)
         except TokenizeError as exc:
             self.metrics.fallbacks.labels("tokenizer").inc()
-            log.warning("request %s: no tokens (%s); routing without the index", request.request_id, exc)
+            limited.warning(
+                f"tokenizer:{route.model}",
+                "request %s: no tokens (%s); routing without the index",
+                request.request_id,
+                exc,
+            )
             return None
         route.prompt_tokens = len(tokens)
         salt = body.get("cache_salt")
@@ -105,7 +113,7 @@ class FactGatherer:
             entry = await self.conversations.take(cid)
         except Exception as exc:  # a store outage costs reuse, never the request
             self.metrics.fallbacks.labels("conversation_store").inc()
-            log.warning("conversation store failed: %r", exc)
+            limited.warning("conversation_store", "conversation store failed: %r", exc)
             return None
         if entry is None:
             return None

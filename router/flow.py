@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
+from kvroute.logs import RateLimitedLog
 from kvroute.policies.base import NoWorkerError, Policy, RoutePlan
 from kvroute.router.conversations import ConversationStore, entry_from_turn
 from kvroute.router.errors import ApiError, model_not_found, no_healthy_worker
@@ -38,6 +39,7 @@ from kvroute.vocabulary import KVProtocol
 from starlette.responses import Response
 
 log = logging.getLogger("kvroute.flow")
+limited = RateLimitedLog(log)
 
 
 @dataclass(slots=True)
@@ -278,7 +280,8 @@ class RequestFlow:
             return final
         except (UpstreamError, KVParamsError, PrefillFailed) as exc:
             self.kv_metrics.fallbacks.labels("prefill_leg").inc()
-            log.warning(
+            limited.warning(
+                f"prefill:{prefill.worker_id}",
                 "request %s: prefill leg on %s failed (%s); recomputing on %s",
                 decision.request.request_id,
                 prefill.worker_id,
@@ -326,7 +329,7 @@ class RequestFlow:
                 await store.put(cid, entry)
                 self.kv_metrics.conversations.labels("stored").inc()
         except Exception as exc:  # never fail an answer that is already in hand
-            log.warning("request %s: conversation not stored: %r", decision.request.request_id, exc)
+            limited.warning("conversation", "request %s: conversation not stored: %r", decision.request.request_id, exc)
 
     # ------------------------------------------------------------------ report
 

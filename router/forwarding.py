@@ -19,6 +19,7 @@ from typing import Any
 
 import anyio
 import orjson
+from kvroute.logs import RateLimitedLog
 from kvroute.router.errors import error_body
 from kvroute.router.metrics import RouterMetrics
 from kvroute.router.registry import WorkerRegistry
@@ -32,6 +33,7 @@ _HOP_RESPONSE = HOP_BY_HOP | {"date", "server"}
 _MAX_PENDING = 1 << 20
 
 log = logging.getLogger("kvroute.forwarding")
+limited = RateLimitedLog(log)
 
 
 def response_headers(headers: list[tuple[str, str]], request_id: str) -> list[tuple[bytes, bytes]]:
@@ -258,7 +260,7 @@ class Forwarder:
             # Bytes already reached the client: end the stream with an error event in the shape vLLM
             # uses for errors inside a stream (no [DONE]), so the client knows it is incomplete.
             self.metrics.upstream_errors.labels(opened.worker_id, exc.kind).inc()
-            log.warning("worker %s broke a stream: %s", opened.worker_id, exc)
+            limited.warning(f"stream:{opened.worker_id}", "worker %s broke a stream: %s", opened.worker_id, exc)
             yield (
                 b"data: "
                 + error_body(502, f"the worker failed in the middle of the stream ({exc.kind})", "upstream_error")
