@@ -36,12 +36,18 @@ log = logging.getLogger("kvroute.forwarding")
 limited = RateLimitedLog(log)
 
 
-def response_headers(headers: list[tuple[str, str]], request_id: str) -> list[tuple[bytes, bytes]]:
+def response_headers(
+    headers: list[tuple[str, str]], request_id: str, worker_url: str | None = None
+) -> list[tuple[bytes, bytes]]:
+    """The worker's answer headers for the client: hop-by-hop removed, our X-Request-Id, and a redirect to
+    the worker itself made relative (a client must not learn the workers' internal addresses)."""
     out = [(b"x-request-id", request_id.encode("latin-1"))]
     for key, value in headers:
         name = key.lower()
         if name in _HOP_RESPONSE or name == "x-request-id":
             continue
+        if name in ("location", "content-location") and worker_url and value.startswith(worker_url):
+            value = value[len(worker_url) :] or "/"
         out.append((name.encode("latin-1"), value.encode("latin-1")))
     return out
 
@@ -233,7 +239,8 @@ class Forwarder:
         self, opened: Opened, request_id: str, done: Done, extra_headers: list[tuple[bytes, bytes]] | None = None
     ) -> Response:
         """The client's response; ``done`` runs once, when the last byte went out (or the client left)."""
-        headers = response_headers(opened.upstream.headers, request_id)
+        worker = self.registry.get(opened.worker_id)
+        headers = response_headers(opened.upstream.headers, request_id, worker.url if worker else None)
         if extra_headers:
             headers.extend(extra_headers)
         status = opened.upstream.status

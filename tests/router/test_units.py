@@ -144,3 +144,15 @@ def test_settle_heap_freezes_start_up_objects_and_raises_the_young_threshold() -
     finally:
         gc.unfreeze()
         gc.set_threshold(*before)
+
+
+def test_redirects_to_a_worker_do_not_leak_its_address() -> None:
+    back = dict(
+        response_headers(
+            [("Location", "http://10.0.0.5:8000/v1/completions"), ("Content-Location", "http://elsewhere/x")],
+            "rid",
+            "http://10.0.0.5:8000",
+        )
+    )
+    assert back[b"location"] == b"/v1/completions"
+    assert back[b"content-location"] == b"http://elsewhere/x"
