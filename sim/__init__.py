@@ -7,11 +7,15 @@ like the real engine and not like what the router expects.
 Modules:
 
 - ``fleet`` — :class:`SimFleet`, N workers in one loop, and the ``kvroute serve`` config for them
-- ``worker`` — :class:`SimWorker`: HTTP server, KV-event publisher, replay and P2P sockets of one worker
+- ``worker`` — :class:`SimWorker`: HTTP server, KV-event publishers, replay and P2P sockets of one worker
+  (one :class:`~kvroute.sim.worker.SimRank` per data-parallel rank)
 - ``options`` — :class:`WorkerOptions`, everything a worker can be told
-- ``api`` — vLLM's HTTP surface (completions, chat, ``/kv_event_sources``, ...) and its error shapes
+- ``api`` — vLLM's HTTP surface (completions, chat, ``/kv_event_sources``, ...) and its error shapes;
+  ``surfaces`` — the Anthropic Messages, OpenAI Responses and render shapes; ``errors`` — error bodies
+- ``admission`` — vLLM's ``--max-num-queued-reqs`` / ``--max-num-queued-tokens`` (HTTP 503)
 - ``engine`` — admission, prefill/decode timeline, KV-transfer hooks of one request
-- ``kvcache`` — the paged prefix cache (chain hashes, LRU, CPU tier) emitting vLLM KV events
+- ``kvcache`` — the paged prefix cache (chain hashes, LRU, CPU tier, lookahead hashing, a hybrid
+  model's sliding-window group) emitting vLLM KV events; ``events`` — their types and 0.33 encoding
 - ``publisher`` — ZMQ PUB + replay ROUTER exactly as vLLM publishes
 - ``kvparams`` — ``kv_transfer_params`` validation; ``transfers`` / ``p2p`` — moving KV between workers
 - ``timing`` / ``presets`` — the timing model and the model x hardware figures

@@ -2,7 +2,7 @@
 timeline, decode steps whose cost grows with the batch, and the KV-transfer hooks.
 
 TTFT = queue wait + remote transfer + CPU-tier promotion + prefill of the uncached tokens; every
-duration is a model duration x ``time_scale``.
+duration is a model duration x ``time_scale``. A data-parallel worker runs one engine per rank.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from kvroute.indexer.events import BlockHash, KVEvent
 from kvroute.indexer.keys import request_extra_keys
 from kvroute.sim.kvcache import Allocation, BlockExtra, PagedCache
 from kvroute.sim.kvparams import KVParams
-from kvroute.sim.metrics import SimMetrics
+from kvroute.sim.metrics import MetricFamilies, SimMetrics
 from kvroute.sim.options import WorkerOptions
 from kvroute.sim.output import output_token_ids
 from kvroute.sim.p2p import P2PClient
@@ -42,12 +42,21 @@ class EngineRequest:
     stream: bool = False
     kv: KVParams | None = None
     cache_salt: str | None = None
+    #: The request's session (``session_id`` field, ``X-Session-ID`` header), carried by its KV events.
+    session_id: str | None = None
+    #: ``vllm_xargs.kv_cache_report_mode == "full"``: re-announce the prefix-cache hit in the events.
+    report_reused: bool = False
     #: Loop time the request arrived (set by the API); its parsing/tokenizing overlaps the modelled time.
     arrival: float | None = None
     # -- filled in by the engine --
     cached_tokens: int = 0
     local_hit_tokens: int = 0
+    #: ``cached_tokens`` by tier: GPU prefix cache ("device"), CPU tier ("host"); remote = "p2p".
+    device_tokens: int = 0
+    host_tokens: int = 0
     remote_tokens: int = 0
+    #: Prompt tokens this request wrote to the prefix cache (vLLM 0.33's ``num_cache_creation_tokens``).
+    cache_created_tokens: int = 0
     output_tokens: int = 0
     kv_params_out: dict[str, Any] | None = None
     ttft_s: float = 0.0
@@ -59,6 +68,8 @@ class _Admission:
     usable: int
     total_blocks: int
     future: asyncio.Future[None]
+    #: ``max_load_tokens`` in blocks: CPU-tier (and P2P) blocks loaded past the GPU prefix; None = no cap.
+    max_load_blocks: int | None = None
     alloc: Allocation = field(default_factory=Allocation)
     n_gpu: int = 0
     n_cpu: int = 0
@@ -78,9 +89,14 @@ class Engine:
         engine_id: str,
         p2p_host: str,
         p2p_port: Callable[[], int],
+        rank: int = 0,
+        families: MetricFamilies | None = None,
     ) -> None:
         self.opts = opts
         self.preset = opts.preset
+        self.rank = rank
+        # vLLM keeps the plain hashes whenever a KV connector is configured: the CPU tier is one here.
+        lookahead = opts.hash_lookahead_tokens if self.preset.cpu_blocks == 0 else 0
         self.cache = PagedCache(
             self.preset.gpu_blocks,
             self.preset.block_size,
@@ -89,6 +105,9 @@ class Engine:
             seed=opts.hash_seed,
             hash_bytes=opts.hash_bytes,
             self_describing=opts.self_describing_events,
+            lookahead=lookahead,
+            sliding_window=opts.hybrid_sliding_window,
+            offload_ownership=opts.offload_ownership,
         )
         self.metrics = SimMetrics(
             opts.model_name,
@@ -98,6 +117,8 @@ class Engine:
             running=lambda: self.running,
             waiting=lambda: self.waiting,
             usage=self.cache.usage,
+            families=families,
+            engine=rank,
         )
         self.transfers = Transfers(self, client)
         self.engine_id = engine_id
@@ -125,6 +146,11 @@ class Engine:
                 self._queue.popleft()
                 continue
             n_gpu, n_cpu = self.cache.match(adm.hashes[: adm.usable])
+            if adm.max_load_blocks is not None:
+                n_cpu = min(n_cpu, adm.max_load_blocks)
+            if self.cache.swa is not None:  # a hybrid model: the sliding-window group must serve it too
+                total = self.cache.hybrid_hit(adm.hashes, n_gpu + n_cpu)
+                n_gpu, n_cpu = min(n_gpu, total), max(0, total - n_gpu)
             alloc = Allocation()
             self.cache.acquire(alloc, adm.hashes[:n_gpu])
             if not self.cache.reserve(alloc, adm.total_blocks - n_gpu):
@@ -172,8 +198,18 @@ class Engine:
         n_prompt = len(req.prompt)
         extras = self._extras(req, n_prompt // bs)
         hashes = self.cache.block_hashes(req.prompt, extras)
+        lookahead = self.cache.lookahead_ids(req.prompt, len(hashes))
         usable = (n_prompt - 1) // bs  # vLLM always recomputes at least the last prompt token
-        adm = _Admission(hashes, usable, math.ceil((n_prompt + req.max_tokens) / bs), loop.create_future())
+        kv = req.kv
+        # max_load_tokens belongs to the offloading connector (CPU tier, P2P), not to NIXL pulls.
+        max_load = kv.max_load_tokens if kv is not None and not kv.is_nixl else None
+        adm = _Admission(
+            hashes,
+            usable,
+            math.ceil((n_prompt + req.max_tokens) / bs),
+            loop.create_future(),
+            max_load_blocks=None if max_load is None else max_load // bs,
+        )
         self._queue.append(adm)
         self.pump()
         adm.queued = not adm.future.done()
@@ -187,22 +223,36 @@ class Engine:
             raise
         alloc = adm.alloc
         hold = None
-        kv = req.kv
         computing = hashes[adm.n_gpu :]
         try:
             for h in computing:
                 self.pending[h] = self.pending.get(h, 0) + 1
             if kv is not None and kv.remote_decoder is not None:
                 hold = self.transfers.open_hold("p2p", kv.remote_decoder.kv_request_id)
+            if req.report_reused and adm.n_gpu:
+                self.cache.report_reuse(
+                    hashes[: adm.n_gpu],
+                    req.prompt,
+                    extras=extras,
+                    session_id=req.session_id,
+                    lookahead=lookahead,
+                )
             local = adm.n_gpu + adm.n_cpu
-            remote = await self.transfers.load(kv, hashes, local, usable)
+            limit = usable if adm.max_load_blocks is None else min(usable, adm.n_gpu + adm.max_load_blocks)
+            remote = await self.transfers.load(kv, hashes, local, limit)
             # The simulator's own CPU time (parsing, tokenizing, hashing) counts as part of the modelled
             # time, so TTFT stays faithful on a busy machine; a wait or a transfer starts the clock anew.
             remote_tried = kv is not None and (kv.remote_prefiller or kv.remote_kv_source or kv.nixl_remote)
             ready = loop.time() if (adm.queued or remote_tried) else t0
             req.local_hit_tokens = local * bs
+            req.device_tokens = adm.n_gpu * bs
+            req.host_tokens = adm.n_cpu * bs
             req.remote_tokens = remote * bs
             req.cached_tokens = (local + remote) * bs
+            # Counted at admission, as vLLM's scheduler stats: the per-tier split sums to cached_tokens.
+            self.metrics.prefix_queries.inc(n_prompt)
+            self.metrics.prefix_hits.inc(req.device_tokens)
+            self.metrics.cache_hits(device=req.device_tokens, host=req.host_tokens, p2p=req.remote_tokens)
             max_offload = kv.max_offload_tokens if kv is not None else None
             offload_blocks = None if max_offload is None else max_offload // bs
             await self._prefill(req, adm, ready)
@@ -214,12 +264,16 @@ class Engine:
                 extras=extras[adm.n_gpu :] if extras is not None else None,
                 offload_blocks=offload_blocks,
                 first_index=adm.n_gpu,
+                session_id=req.session_id,
+                lookahead=lookahead[adm.n_gpu :] if lookahead is not None else None,
             )
             self._unmark(computing)
             computing = []
-            self.metrics.prefix_queries.inc(n_prompt)
-            self.metrics.prefix_hits.inc(adm.n_gpu * bs)
-            self.metrics.prompt_tokens.inc(n_prompt)
+            in_cache = sum(1 for h in hashes if h in self.cache.gpu)
+            req.cache_created_tokens = max(0, min(in_cache * bs, n_prompt) - req.cached_tokens)
+            self.metrics.prompt_done(
+                total=n_prompt, local_hit=req.device_tokens, external=req.host_tokens + req.remote_tokens
+            )
             req.ttft_s = loop.time() - t0
             self.metrics.ttft.observe(req.ttft_s)
             if hold is not None:
@@ -282,12 +336,17 @@ class Engine:
         """Cache the full blocks the answer completed (the last sampled token has no KV yet)."""
         bs = self.preset.block_size
         prompt_full = len(hashes) * bs
-        seq = req.prompt[prompt_full:] + output_token_ids(len(req.prompt), req.output_tokens - 1)
-        if len(seq) < bs:
+        # Every token so far (the last sampled one included: a lookahead hash may cover it), but only the
+        # blocks whose KV exists, i.e. before the last sampled token.
+        seq = req.prompt[prompt_full:] + output_token_ids(len(req.prompt), req.output_tokens)
+        computed = len(seq) - 1
+        if computed < bs:
             return
         parent = hashes[-1] if hashes else None
         extra = self._extras(req, 1) if not hashes else None
-        new = self.cache.block_hashes(seq, extra, parent=parent)
+        new = self.cache.block_hashes(seq, extra, parent=parent, max_blocks=computed // bs)
+        if not new:
+            return
         self.cache.store(
             alloc,
             new,
@@ -296,6 +355,8 @@ class Engine:
             extras=extra,
             offload_blocks=offload_blocks,
             first_index=len(hashes),
+            session_id=req.session_id,
+            lookahead=self.cache.lookahead_ids(seq, len(new)),
         )
         hashes.extend(new)
 
@@ -338,6 +399,7 @@ class Engine:
     def state(self) -> dict[str, Any]:
         """A debugging snapshot (``GET /sim/state``)."""
         return {
+            "dp_rank": self.rank,
             "running": self.running,
             "waiting": len(self._queue),
             "decoding": self.decoding,

@@ -23,6 +23,14 @@ from kvroute.vocabulary import Role
 PORTS_PER_WORKER = 4
 
 
+def worker_ports(base_port: int, index: int, dp_size: int = 1) -> dict[str, int]:
+    """Ports of worker ``index`` from a base port: HTTP, then ``dp_size`` KV-event ports (rank n at the
+    first + n, as vLLM offsets them), as many replay ports, as many P2P ports (1 + 3 x dp_size in all; with
+    one rank, PORTS_PER_WORKER)."""
+    p = base_port + (1 + 3 * dp_size) * index
+    return {"http_port": p, "events_port": p + 1, "replay_port": p + 1 + dp_size, "p2p_port": p + 1 + 2 * dp_size}
+
+
 def merge_sections(config: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     """``config`` updated with ``extra`` in place, sections (``pool``, ``index``) merged key by key rather
     than replaced, so ``{"pool": {"kv_protocol": "p2p"}}`` keeps the fleet's link figures."""
@@ -72,8 +80,7 @@ class SimFleet:
         for i in range(n_workers):
             ports: dict[str, Any] = {}
             if base_port:
-                p = base_port + PORTS_PER_WORKER * i
-                ports = {"http_port": p, "events_port": p + 1, "replay_port": p + 2, "p2p_port": p + 3}
+                ports = dict(worker_ports(base_port, i, template.dp_size))
             if events_connect:
                 ports.update(events_mode="connect", events_endpoint=events_connect)
             opts = replace(template, role=roles[i % len(roles)], **ports)

@@ -1,7 +1,7 @@
 """``kv_transfer_params`` parsed and validated exactly as DESIGN §6 describes vLLM's request-level protocol.
 
 Two families exist: the P2P/offloading tier (``remote_decoder`` / ``remote_prefiller`` /
-``remote_kv_source`` + ``kv_load_tiers`` / ``max_offload_tokens``) and NixlConnector pull P/D
+``remote_kv_source`` + ``kv_load_tiers`` / ``max_offload_tokens`` / ``max_load_tokens``) and NixlConnector pull P/D
 (``do_remote_decode`` / ``do_remote_prefill`` + ``remote_*``). Forbidden combinations raise
 :class:`KVParamsError`, which the API turns into a 400.
 """
@@ -47,6 +47,8 @@ class KVParams:
     remote_kv_source: PeerRef | None = None
     kv_load_tiers: tuple[tuple[str, str], ...] | None = None
     max_offload_tokens: int | None = None
+    #: Cap on the tokens loaded from offload tiers (CPU, P2P) past the local GPU prefix; None = no cap.
+    max_load_tokens: int | None = None
     do_remote_decode: bool = False
     do_remote_prefill: bool = False
     nixl_remote: NixlRemote | None = None
@@ -133,6 +135,15 @@ def _nixl_remote(raw: dict[str, Any]) -> NixlRemote | None:
     )
 
 
+def _max_load_tokens(raw: object) -> int | None:
+    """vLLM 0.33's OffloadingConnector reads ``max_load_tokens`` leniently: a non-negative int (``type(raw)
+    is int``, so never a bool) caps the load, anything else is ignored with a warning, never refused
+    (``RequestOffloadState.__post_init__`` in ``offloading/scheduler.py``)."""
+    if type(raw) is int and raw >= 0:
+        return raw
+    return None
+
+
 def parse_kv_params(raw: object) -> KVParams | None:
     """Validate a request's ``kv_transfer_params`` (None when absent)."""
     if raw is None:
@@ -178,6 +189,7 @@ def parse_kv_params(raw: object) -> KVParams | None:
         else None,
         kv_load_tiers=_tiers(tiers) if tiers is not None else None,
         max_offload_tokens=max_offload,
+        max_load_tokens=_max_load_tokens(raw.get("max_load_tokens")),
         do_remote_decode=do_decode,
         do_remote_prefill=do_prefill,
         nixl_remote=nixl,

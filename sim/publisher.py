@@ -17,6 +17,7 @@ from typing import Literal, TypedDict
 import zmq
 import zmq.asyncio
 from kvroute.indexer.events import REPLAY_END_SEQ, EventForm, KVEvent, decode_seq, encode_batch, encode_seq
+from kvroute.sim.events import encode_batch_v033
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,7 @@ class EventPublisher:
         form: EventForm = "map",
         dp_rank: int = 0,
         replay_with_topic: bool = True,
+        v033: bool = False,
     ) -> None:
         self.requested_endpoint = endpoint
         self.bind = vllm_binds(endpoint) if mode == "auto" else mode == "bind"
@@ -70,6 +72,7 @@ class EventPublisher:
         self.dp_rank = dp_rank
         self.hwm = hwm
         self.replay_with_topic = replay_with_topic
+        self.v033 = v033
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=max(buffer_steps, 1))
         self.seq = 0
         self.endpoint = endpoint
@@ -125,7 +128,10 @@ class EventPublisher:
         if not self._pending:
             return
         events, self._pending = self._pending, []
-        payload = encode_batch(time.time(), events, self.dp_rank, form=self.form)
+        if self.v033:
+            payload = encode_batch_v033(time.time(), events, self.dp_rank)
+        else:
+            payload = encode_batch(time.time(), events, self.dp_rank, form=self.form)
         seq = self.seq
         self.seq += 1
         self.buffer.append((seq, payload))
@@ -161,13 +167,15 @@ class EventPublisher:
                 for seq, payload in list(self.buffer):
                     if seq >= start:
                         await sock.send_multipart(self._replay_frames(identity, encode_seq(seq), payload))
-                await sock.send_multipart(self._replay_frames(identity, REPLAY_END_SEQ, b""))
+                await sock.send_multipart(self._replay_frames(identity, REPLAY_END_SEQ, b"", end=True))
             except zmq.ZMQError as exc:
                 log.warning("replay send failed: %s", exc)
 
-    def _replay_frames(self, identity: bytes, seq: bytes, payload: bytes) -> list[bytes]:
+    def _replay_frames(self, identity: bytes, seq: bytes, payload: bytes, *, end: bool = False) -> list[bytes]:
+        """``["", topic, seq, payload]``; the end marker's topic frame is empty, as vLLM 0.32-0.33 send it
+        (``_service_replay`` in ``vllm/distributed/kv_events.py``)."""
         if self.replay_with_topic:
-            return [identity, b"", self.topic_bytes, seq, payload]
+            return [identity, b"", b"" if end else self.topic_bytes, seq, payload]
         return [identity, b"", seq, payload]
 
     async def close(self) -> None:

@@ -35,7 +35,8 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "--base-port",
         type=int,
         default=0,
-        help="worker i uses base+4i (HTTP), +1 (KV events), +2 (replay), +3 (P2P); 0 = free ports",
+        help="worker i uses base+4i (HTTP), +1 (KV events), +2 (replay), +3 (P2P); with --dp-size D, "
+        "base+(1+3D)i (HTTP) then D event, D replay and D P2P ports; 0 = free ports",
     )
     p.add_argument("--time-scale", type=float, default=1.0, help="model seconds x scale = real seconds")
     p.add_argument("--gpu-blocks", type=int, help="override the preset's GPU KV blocks")
@@ -50,6 +51,37 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="CONNECT each worker's PUB to this router-bound SUB endpoint (topics tell them apart)",
     )
     p.add_argument("--no-replay", action="store_true", help="no replay ROUTER sockets")
+    vllm = p.add_argument_group("vLLM 0.32-0.33 features (default off, as in vLLM)")
+    vllm.add_argument(
+        "--dp-size",
+        type=int,
+        default=1,
+        help="data-parallel ranks per worker: one HTTP port, per-rank caches and publishers (port + rank)",
+    )
+    vllm.add_argument(
+        "--dp-ephemeral-ports",
+        action="store_true",
+        help="with free ports, give each rank its own ephemeral port (vLLM's tcp://*:0) instead of a range",
+    )
+    vllm.add_argument("--max-num-queued-reqs", type=int, help="admission: unfinished requests before a 503")
+    vllm.add_argument("--max-num-queued-tokens", type=int, help="admission: prompt tokens in prefill before a 503")
+    vllm.add_argument("--enable-scale-out", action="store_true", help="serve the /v1/*/render routes (else 403)")
+    vllm.add_argument(
+        "--event-fields",
+        choices=("legacy", "0.33"),
+        default="legacy",
+        help="KV-event encoding: legacy (every field) or vLLM 0.33's (omit unset, session_id, ownership, ...)",
+    )
+    vllm.add_argument(
+        "--hash-lookahead-tokens", type=int, default=0, help="EAGLE-style lookahead block hashes (vLLM: 1)"
+    )
+    vllm.add_argument(
+        "--hybrid-sliding-window",
+        type=int,
+        metavar="TOKENS",
+        help="hybrid model: a sliding-window KV-cache group (group_idx 1) of this window",
+    )
+    vllm.add_argument("--offload-ownership", help="ownership stamped on the CPU tier's events, e.g. kvcr")
     p.add_argument("--tokenizer", help="tokenizer.json or folder (default: the built-in tokenizer)")
     p.add_argument("--chat-template", help="Jinja chat template file for --tokenizer")
     p.add_argument("--config-out", help="also write the kvroute serve config (YAML) to this file")
@@ -82,7 +114,37 @@ def _fleet_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         replay=not args.no_replay,
         tokenizer=args.tokenizer,
         chat_template=args.chat_template,
+        dp_size=args.dp_size,
+        dp_ephemeral_ports=args.dp_ephemeral_ports,
+        max_num_queued_reqs=args.max_num_queued_reqs,
+        max_num_queued_tokens=args.max_num_queued_tokens,
+        enable_scale_out=args.enable_scale_out,
+        event_fields=args.event_fields,
+        hash_lookahead_tokens=args.hash_lookahead_tokens,
+        hybrid_sliding_window=args.hybrid_sliding_window,
+        offload_ownership=args.offload_ownership,
     )
+
+
+_WORKER_FIELDS = (
+    "dp_size",
+    "dp_ephemeral_ports",
+    "max_num_queued_reqs",
+    "max_num_queued_tokens",
+    "enable_scale_out",
+    "event_fields",
+    "hash_lookahead_tokens",
+    "hybrid_sliding_window",
+    "offload_ownership",
+    "event_form",
+)
+
+
+def _check_worker_options(kwargs: dict[str, Any]) -> None:
+    """The worker options no vLLM would start with, refused before anything starts."""
+    from kvroute.sim.options import WorkerOptions
+
+    WorkerOptions(**{k: kwargs[k] for k in _WORKER_FIELDS}).check()
 
 
 async def _serve(args: argparse.Namespace) -> int:
@@ -112,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
         print("kvroute sim: --workers must be >= 1", file=sys.stderr)
         return 2
     try:
-        _fleet_kwargs(args)
+        _check_worker_options(_fleet_kwargs(args))
     except ValueError as exc:
         print(f"kvroute sim: {exc}", file=sys.stderr)
         return 2
