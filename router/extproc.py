@@ -34,7 +34,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 from kvroute.router.errors import ApiError, error_body
-from kvroute.router.flow import Decision
+from kvroute.router.flow import DP_RANK_HEADER, Decision
 from kvroute.router.forwarding import Result, UsageSniffer, usage_of
 from kvroute.router.requests import FORWARDED_HEADERS, GENERATION_ROUTES, parse_request
 from kvroute.router.state import RouterState
@@ -284,6 +284,9 @@ class Exchange:
         canonical = pick.decision.request.path
         if canonical != self.headers.get(":path"):  # what was checked is what Envoy forwards
             set_headers.append(_header(":path", canonical))
+        rank = pick.decision.facts.ranks.get(pick.worker_id)
+        if rank is not None:  # the data-parallel rank that holds the prefix
+            set_headers.append(_header(DP_RANK_HEADER, str(rank)))
         if in_headers:
             common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=set_headers))
             return [pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common), dynamic_metadata=meta)]

@@ -8,9 +8,11 @@ tokens, no index or no conversation store means routing by load or recomputing, 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
-from kvroute.indexer.backend import IndexUnavailable
+from kvroute.indexer.backend import IndexUnavailable, WorkerMatch
+from kvroute.indexer.entities import split_entity
 from kvroute.indexer.service import KVIndexer
 from kvroute.logs import RateLimitedLog
 from kvroute.policies.base import Policy, RouteRequest
@@ -34,6 +36,28 @@ class Facts:
     keys: list[int] | None = None
     #: The previous turn's entry taken from the conversation store (single use).
     conversation: ConversationEntry | None = None
+    #: Per data-parallel worker, the rank holding the longest prefix (sent as ``X-data-parallel-rank``).
+    ranks: dict[str, int] = field(default_factory=dict)
+
+
+def fold_ranks(
+    matches: dict[str, WorkerMatch], data_parallel: Callable[[str], bool]
+) -> tuple[dict[str, WorkerMatch], dict[str, int]]:
+    """The index knows each data-parallel rank apart (``worker#rank``); a policy picks workers. Each worker
+    gets its best rank's match, and for a data-parallel worker (``data_parallel(worker)``) that rank is
+    remembered, rank 0 included, so the request is steered to it."""
+    if not any("#" in entity for entity in matches) and not any(data_parallel(w) for w in matches):
+        return matches, {}
+    folded: dict[str, WorkerMatch] = {}
+    ranks: dict[str, int] = {}
+    for entity, match in matches.items():
+        worker, rank = split_entity(entity)
+        best = folded.get(worker)
+        if best is None or (match.blocks, match.gpu) > (best.blocks, best.gpu):
+            folded[worker] = replace(match, worker_id=worker)
+            if data_parallel(worker):
+                ranks[worker] = rank
+    return folded, ranks
 
 
 class FactGatherer:
@@ -55,6 +79,10 @@ class FactGatherer:
         self.indexer = indexer
         self.conversations = conversations
 
+    def _data_parallel(self, worker_id: str) -> bool:
+        state = self.registry.get(worker_id)
+        return state is not None and state.config.dp_size > 1
+
     async def gather(self, request: ParsedRequest, policy: Policy, *, dry_run: bool = False) -> Facts:
         """``dry_run`` (explain) must not consume the single-use conversation entry."""
         facts = Facts(
@@ -72,16 +100,17 @@ class FactGatherer:
         # Conversation reuse needs the prompt's block keys too, whatever the policy.
         wants_keys = policy.needs_index or (cid is not None and self.conversations is not None)
         if wants_keys and self.indexer is not None and self.tokenizers is not None:
-            facts.keys = await self._lookup(request, facts.route)
+            facts.keys = await self._lookup(request, facts)
         if policy.needs_text:
             facts.route.prompt_text = prompt_text(body)
         if cid and self.conversations is not None and facts.keys and facts.route.block_size and not dry_run:
             facts.conversation = await self._take_conversation(facts.route, cid, facts.keys)
         return facts
 
-    async def _lookup(self, request: ParsedRequest, route: RouteRequest) -> list[int] | None:
+    async def _lookup(self, request: ParsedRequest, facts: Facts) -> list[int] | None:
         assert self.indexer is not None and self.tokenizers is not None and request.json is not None
         body = request.json
+        route = facts.route
         try:
             tokens = await self.tokenizers.tokens_for_body(route.model, body)
         except TokenizeError as exc:
@@ -104,7 +133,7 @@ class FactGatherer:
             return None
         if result.block_size:
             route.block_size = result.block_size
-        route.matches = result.matches
+        route.matches, facts.ranks = fold_ranks(result.matches, self._data_parallel)
         return result.keys
 
     async def _take_conversation(self, route: RouteRequest, cid: str, keys: list[int]) -> ConversationEntry | None:

@@ -65,6 +65,8 @@ class Delivery:
         return self.legs is None or (self.legs.prefill is None and self.legs.final is not None)
 
 
+#: vLLM's header choosing the data-parallel rank of a request (ignored by engines without DP).
+DP_RANK_HEADER = "x-data-parallel-rank"
 #: Worker answers that mean "not now, try elsewhere" when they come before any byte of an answer.
 REFUSAL_STATUSES = frozenset({429, 503})
 #: Pause before offering every worker again when all of them refused.
@@ -252,7 +254,13 @@ class RequestFlow:
             worker_id, body = final.worker_id, orjson.dumps(final.body)
         request.tried.add(worker_id)
         opened = await self.forwarder.open(
-            worker_id, request.method, request.path, request.headers, body, request.started, stream=request.stream
+            worker_id,
+            request.method,
+            request.path,
+            self._headers_for(decision, worker_id),
+            body,
+            request.started,
+            stream=request.stream,
         )
         if opened.upstream.status in REFUSAL_STATUSES and opened.rest is None:
             # Refused before any work (vLLM's admission control answers 503 "retry on another instance").
@@ -273,7 +281,7 @@ class RequestFlow:
     async def _after_prefill(self, decision: Decision, legs: Legs, prefill: Leg) -> Leg:
         """Run the prefill leg; the decode leg follows from its answer, or local recomputation when it failed."""
         try:
-            answer = await self._prefill(decision.request, prefill)
+            answer = await self._prefill(decision, prefill)
             final = legs.decode_leg(answer)
             if decision.facts.conversation is not None and decision.plan.reuse_conversation:
                 self.kv_metrics.conversations.labels("reused").inc()
@@ -290,10 +298,23 @@ class RequestFlow:
             )
             return legs.fallback_leg()
 
-    async def _prefill(self, request: ParsedRequest, leg: Leg) -> Any:
+    def _headers_for(self, decision: Decision, worker_id: str) -> list[tuple[str, str]]:
+        """The request's headers, plus the data-parallel rank that holds the prefix on this worker."""
+        rank = decision.facts.ranks.get(worker_id)
+        if rank is None:
+            return decision.request.headers
+        return [*decision.request.headers, (DP_RANK_HEADER, str(rank))]
+
+    async def _prefill(self, decision: Decision, leg: Leg) -> Any:
         """Run a prefill-only leg to completion; its JSON answer feeds the decode leg."""
+        request = decision.request
         opened = await self.forwarder.open(
-            leg.worker_id, "POST", request.path, request.headers, orjson.dumps(leg.body), request.started
+            leg.worker_id,
+            "POST",
+            request.path,
+            self._headers_for(decision, leg.worker_id),
+            orjson.dumps(leg.body),
+            request.started,
         )
         try:
             if opened.rest is not None:

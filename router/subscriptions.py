@@ -82,6 +82,8 @@ class SubscriptionSync:
         filled = await self.probe.fill(cfg)
         if not filled.kv_events:
             self._ask_after[cfg.worker_id] = now + ASK_AGAIN_S
+        else:
+            worker.config = filled  # the registry now knows its ranks too (steering reads dp_size)
         return filled
 
     async def reconcile(self) -> None:
