@@ -28,6 +28,12 @@ class KVRouteMetrics:
             ["tier"],
             registry=r,
         )
+        self.predicted_by_source = Counter(
+            "kvroute_predicted_cached_tokens_by_source_total",
+            "Predicted cached tokens named the way vLLM's prompt_tokens_cached_by_source counts them",
+            ["source"],
+            registry=r,
+        )
         self.stale = Counter(
             "kvroute_stale_decisions_total",
             "Decisions that predicted a hit the engine did not have (more than a block short)",

@@ -55,6 +55,13 @@ class RouterMetrics:
             "kvroute_upstream_errors_total", "Failed upstream calls", ["worker", "kind"], registry=r
         )
         self.retries = Counter("kvroute_retries_total", "Requests retried on another worker", registry=r)
+        self.engine_cached_by_source = Gauge(
+            "kvroute_engine_cached_tokens_by_source",
+            "Scraped vllm:prompt_tokens_cached_by_source_total: prompt tokens each engine served from cache, by "
+            "source (device, host, disk, p2p, ...); compare with kvroute_predicted_cached_tokens_by_source_total",
+            ["worker", "source"],
+            registry=r,
+        )
         self.rejections = Counter(
             "kvroute_admission_rejections_total",
             "Requests a worker refused before answering (vLLM admission control 503, 429), by worker and status",

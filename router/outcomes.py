@@ -19,6 +19,9 @@ from kvroute.router.requests import ParsedRequest
 
 log = logging.getLogger("kvroute.outcomes")
 
+#: The plan's tiers as vLLM's ``prompt_tokens_cached_by_source`` names where cached tokens came from.
+SOURCE_OF_TIER = {"GPU": "device", "CPU": "host", "STORAGE": "disk", "REMOTE": "p2p"}
+
 
 class Outcomes:
     """Records decisions and outcomes; the policy's name labels the decision histogram."""
@@ -86,6 +89,7 @@ class Outcomes:
         kv.predicted.labels(model).inc(plan.predicted_cached_tokens)
         for tier, tokens in plan.predicted_by_tier.items():
             kv.predicted_by_tier.labels(tier).inc(tokens)
+            kv.predicted_by_source.labels(SOURCE_OF_TIER.get(tier, "external_unspecified")).inc(tokens)
         kv.bytes_moved.inc(int(plan.breakdown.get("bytes_moved", 0)))
         if isinstance(reported, int):
             kv.checked.labels(model).inc()

@@ -46,6 +46,8 @@ class WorkerLoad:
     prefix_hits: float = 0.0
     block_size: int | None = None
     num_gpu_blocks: int | None = None
+    #: vLLM >= 0.32's ``vllm:prompt_tokens_cached_by_source`` (device, host, disk, p2p, ...): ground truth.
+    cached_by_source: dict[str, float] = field(default_factory=dict)
     scraped_at: float | None = None
 
 
@@ -133,6 +135,10 @@ def parse_vllm_metrics(text: str) -> WorkerLoad:
                 raw = sample.labels.get("num_gpu_blocks")
                 if raw and raw.isdigit():  # per engine; the smallest rank is what limits admission
                     load.num_gpu_blocks = min(int(raw), load.num_gpu_blocks or int(raw))
+                continue
+            if name in ("vllm:prompt_tokens_cached_by_source_total", "vllm:prompt_tokens_cached_by_source"):
+                source = sample.labels.get("source", "unknown")
+                load.cached_by_source[source] = load.cached_by_source.get(source, 0.0) + float(sample.value)
                 continue
             attr = _SCRAPED.get(name[:-6] if name.endswith("_total") else name)
             if attr is None:
@@ -364,6 +370,8 @@ class WorkerRegistry:
         m.worker_running.labels(state.id).set(load.running)
         m.worker_waiting.labels(state.id).set(load.waiting)
         m.worker_kv_usage.labels(state.id).set(load.kv_usage)
+        for source, tokens in load.cached_by_source.items():
+            m.engine_cached_by_source.labels(state.id, source).set(tokens)
 
     async def scrape_all(self) -> None:
         await asyncio.gather(*(self._scrape(s) for s in list(self._workers.values())))
