@@ -7,6 +7,7 @@ of every engine's cache (:mod:`tests.vllm.mirror`), not kvroute's index.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
@@ -269,3 +270,36 @@ async def test_router_restart_rebuilds_through_replay(
                 15.0,
                 what=f"{server.name}'s blocks rebuilt after the router restart",
             )
+
+
+async def _device_cached(http: httpx.AsyncClient, server: VllmServer) -> float:
+    """The engine's own ground truth: ``vllm:prompt_tokens_cached_by_source_total{source="device"}``."""
+    text = (await http.get(f"{server.url}/metrics")).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:prompt_tokens_cached_by_source_total{") and 'source="device"' in line
+    )
+
+
+async def test_per_source_ground_truth_equals_the_prediction(
+    router: RouterProcess,
+    vllm_pool: list[VllmServer],
+    http: httpx.AsyncClient,
+    rng: random.Random,
+    reference_tokenizer: ReferenceTokenizer,
+) -> None:
+    """vLLM's per-source counter moves by exactly the GPU hit kvroute predicted for the routed request."""
+    server = vllm_pool[0]
+    prompt = await place_prefix(http, router, server, reference_tokenizer, rng)
+    before = await _device_cached(http, server)
+    probe = prompt + " " + prompt_words(rng, 10)
+    answer, plan = await routed(http, router, {"prompt": probe, "max_tokens": 1}, "/v1/completions")
+    assert plan["prefill"] == server.name, plan
+    after = before
+    for _ in range(100):  # the counter is updated when the engine logs its stats
+        after = await _device_cached(http, server)
+        if after > before:
+            break
+        await asyncio.sleep(0.1)
+    assert after - before == cached_of(answer) == plan["predicted_by_tier"].get("GPU", 0) > 0, plan
