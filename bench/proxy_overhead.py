@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import aiohttp
 
 BODY = b'{"model":"m1","prompt":"hello","max_tokens":1}'
+#: The policy kvroute runs with (``--policy``): round_robin measures the proxy itself.
+POLICY = "round_robin"
 
 UPSTREAM = r"""
 import sys, uvicorn
@@ -148,13 +150,19 @@ async def load(url: str, requests: int, concurrency: int) -> Stats:
     )
 
 
-def start_kvroute(client: str, upstream: str) -> Target:
+def kvroute_command(python: str) -> list[str]:
+    """How to start ``kvroute`` with ``python`` (an older checkout's venv names the CLI ``kvroute.cli``)."""
+    probe = subprocess.run([python, "-c", "import kvroute.apps.cli"], capture_output=True)
+    return [python, "-m", "kvroute.apps.cli" if probe.returncode == 0 else "kvroute.cli"]
+
+
+def start_kvroute(client: str, upstream: str, python: str = sys.executable, label: str = "kvroute") -> Target:
     port = free_port()
     cmd = [
-        sys.executable,
-        "-m",
-        "kvroute.apps.cli",
+        *kvroute_command(python),
         "serve",
+        "--policy",
+        POLICY,
         "--worker",
         upstream,
         "--port",
@@ -167,7 +175,7 @@ def start_kvroute(client: str, upstream: str) -> Target:
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_port(port, proc)
     time.sleep(0.5)  # first health probe and model discovery
-    return Target(f"kvroute[{client}]", f"http://127.0.0.1:{port}", proc)
+    return Target(f"{label}[{client}]", f"http://127.0.0.1:{port}", proc)
 
 
 def start_bare(upstream: str) -> Target:
@@ -219,7 +227,15 @@ def main() -> int:
     parser.add_argument("--bare", action="store_true", help="also measure a bare ASGI+aiohttp proxy (floor)")
     parser.add_argument("--vllm-router", metavar="PATH", help="vllm-router binary to measure as well")
     parser.add_argument("--smg", metavar="PATH", help="SGLang's smg binary (`smg launch ...`) to measure too")
+    parser.add_argument(
+        "--baseline",
+        metavar="PYTHON",
+        help="the python of another kvroute install (e.g. an older checkout's venv), measured in the same run",
+    )
+    parser.add_argument("--policy", default=POLICY, help=f"kvroute's policy (default {POLICY}: the proxy itself)")
+    parser.add_argument("--repeats", type=int, default=1, help="measure every target this many times, interleaved")
     args = parser.parse_args()
+    globals()["POLICY"] = args.policy
 
     up_port = free_port()
     upstream = subprocess.Popen([sys.executable, "-c", UPSTREAM, str(up_port)])
@@ -231,6 +247,8 @@ def main() -> int:
         if args.bare:
             targets.append(start_bare(up_url))
         targets.extend(start_kvroute(c, up_url) for c in args.clients)
+        if args.baseline:
+            targets.extend(start_kvroute(c, up_url, args.baseline, "baseline") for c in args.clients)
         if args.vllm_router:
             targets.append(start_rust_router("vllm-router", [args.vllm_router], up_url))
         if args.smg:
@@ -240,7 +258,7 @@ def main() -> int:
             f"{'target':<18}{'conc':>5}{'p50 ms':>9}{'p99 ms':>9}{'req/s':>9}{'+p50 ms':>9}{'+p99 ms':>9}"
             f"{'rps/direct':>11}"
         )
-        for conc in args.concurrency:
+        for conc in [c for c in args.concurrency for _ in range(args.repeats)]:
             base: Stats | None = None
             for target in targets:
                 s = asyncio.run(load(target.url, args.requests, conc))
