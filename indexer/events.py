@@ -98,13 +98,13 @@ class EventBatch(msgspec.Struct, gc=False):
 _decoder = msgspec.msgpack.Decoder()
 
 
-def _check_hash(value: Any, what: str) -> BlockHash:
+def _check_hash(value: object, what: str) -> BlockHash:
     if isinstance(value, bool) or not isinstance(value, int | bytes):
         raise EventDecodeError("bad_field", f"{what} must be int or bytes, got {type(value).__name__}")
     return value
 
 
-def _check_hashes(value: Any) -> list[BlockHash]:
+def _check_hashes(value: object) -> list[BlockHash]:
     if not isinstance(value, list):
         raise EventDecodeError("bad_field", "block_hashes must be a list")
     if len(value) > MAX_BLOCKS_PER_EVENT:
@@ -114,7 +114,7 @@ def _check_hashes(value: Any) -> list[BlockHash]:
     return value
 
 
-def _str_or(value: Any, default: str, what: str) -> str:
+def _str_or(value: object, default: str, what: str) -> str:
     if value is None or value == "":
         return default
     if not isinstance(value, str):
@@ -122,7 +122,7 @@ def _str_or(value: Any, default: str, what: str) -> str:
     return value
 
 
-def _int_or(value: Any, default: int, what: str) -> int:
+def _int_or(value: object, default: int, what: str) -> int:
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int):
@@ -130,11 +130,10 @@ def _int_or(value: Any, default: int, what: str) -> int:
     return value
 
 
-def _stored(fields: dict[str, Any]) -> BlockStored:
+def _stored(fields: dict[str, object]) -> BlockStored:
     hashes = _check_hashes(fields.get("block_hashes"))
-    parent = fields.get("parent_block_hash")
-    if parent is not None:
-        parent = _check_hash(parent, "parent_block_hash")
+    raw_parent = fields.get("parent_block_hash")
+    parent = None if raw_parent is None else _check_hash(raw_parent, "parent_block_hash")
     tokens = fields.get("token_ids") or []
     if not isinstance(tokens, list):
         raise EventDecodeError("bad_field", "token_ids must be a list")
@@ -149,12 +148,13 @@ def _stored(fields: dict[str, Any]) -> BlockStored:
     lora_name = fields.get("lora_name")
     if lora_name is not None and not isinstance(lora_name, str):
         raise EventDecodeError("bad_field", "lora_name must be a string")
+    lora_id = fields.get("lora_id")
     return BlockStored(
         block_hashes=hashes,
         parent_block_hash=parent,
         token_ids=tokens,
         block_size=block_size,
-        lora_id=fields.get("lora_id") if isinstance(fields.get("lora_id"), int) else None,
+        lora_id=lora_id if isinstance(lora_id, int) else None,
         medium=_str_or(fields.get("medium"), "GPU", "medium").upper(),
         lora_name=lora_name,
         extra_keys=extra,
@@ -163,7 +163,7 @@ def _stored(fields: dict[str, Any]) -> BlockStored:
     )
 
 
-def _removed(fields: dict[str, Any]) -> BlockRemoved:
+def _removed(fields: dict[str, object]) -> BlockRemoved:
     return BlockRemoved(
         block_hashes=_check_hashes(fields.get("block_hashes")),
         medium=_str_or(fields.get("medium"), "GPU", "medium").upper(),
@@ -172,7 +172,7 @@ def _removed(fields: dict[str, Any]) -> BlockRemoved:
     )
 
 
-def _event(raw: Any) -> KVEvent | None:
+def _event(raw: object) -> KVEvent | None:
     """One event in map or array form; None for an unknown type."""
     if isinstance(raw, dict):
         kind = raw.get("type")
@@ -225,7 +225,7 @@ def decode_seq(frame: bytes) -> int:
     """The 8-byte big-endian sequence number of a message."""
     if len(frame) != 8:
         raise EventDecodeError("bad_seq", f"sequence frame has {len(frame)} bytes, expected 8")
-    return struct.unpack(">Q", frame)[0]
+    return int.from_bytes(frame, "big")
 
 
 def encode_seq(seq: int) -> bytes:

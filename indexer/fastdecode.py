@@ -80,7 +80,10 @@ _map_decoder = msgspec.msgpack.Decoder(tuple[float, list[_StoredMap | _RemovedMa
 _array_decoder = msgspec.msgpack.Decoder(tuple[float, list[_StoredArray | _RemovedArray | _ClearedArray], int | None])
 
 
-def _convert(raw: Any) -> KVEvent | None:
+_TypedEvent = _StoredMap | _RemovedMap | _ClearedMap | _StoredArray | _RemovedArray | _ClearedArray
+
+
+def _convert(raw: _TypedEvent) -> KVEvent | None:
     """The contract struct for one typed event; None when it needs the reference decoder's verdict."""
     if isinstance(raw, _StoredMap | _StoredArray):
         hashes = raw.block_hashes

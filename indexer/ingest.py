@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvroute.indexer.backend import IndexOp
+from kvroute.indexer.backend import IndexOp, OpKind
 from kvroute.indexer.bitsets import add_bits
 from kvroute.indexer.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, EventBatch
 from kvroute.indexer.keys import chain_keys, root_key
@@ -53,6 +53,8 @@ class BatchResult:
     applied: dict[str, int] = field(default_factory=dict)
     dropped: dict[str, int] = field(default_factory=dict)
     cleared: bool = False
+    #: The keys of the last op in ``ops`` (our own list, so the next op of its kind and tier extends it).
+    tail: list[int] | None = None
 
 
 class ModelInfo:
@@ -148,14 +150,17 @@ def _remove(state: EntityState, bit: int, hashes: list[BlockHash]) -> list[int]:
     return keys
 
 
-def _append(ops: list[IndexOp], kind: str, keys: list[int], tier: int) -> None:
+def _append(out: BatchResult, kind: OpKind, keys: list[int], tier: int) -> None:
     """Add keys to the last op when it has the same kind and tier (fewer backend round trips)."""
     if not keys:
         return
-    if ops and ops[-1].kind == kind and ops[-1].tier == tier:
-        ops[-1].keys.extend(keys)  # type: ignore[attr-defined]  # our own list, see below
+    ops = out.ops
+    tail = out.tail
+    if tail is not None and ops[-1].kind == kind and ops[-1].tier == tier:
+        tail.extend(keys)
     else:
-        ops.append(IndexOp(kind, list(keys), tier))  # type: ignore[arg-type]
+        tail = out.tail = list(keys)
+        ops.append(IndexOp(kind, tail, tier))
 
 
 _TIERS: dict[tuple[str, str], int] = {}
@@ -192,7 +197,7 @@ def translate(state: EntityState, model: ModelInfo, batch: EventBatch) -> BatchR
                 bits_table[keys[0]] = bits_table.get(keys[0], 0) | bit
             else:
                 add_bits(bits_table, keys, bit)
-            _append(out.ops, "store", keys, bit)
+            _append(out, "store", keys, bit)
             applied_stored += 1
         elif type(event) is BlockRemoved:
             removed += 1
@@ -200,12 +205,13 @@ def translate(state: EntityState, model: ModelInfo, batch: EventBatch) -> BatchR
                 _bump(out.dropped, "other_group")
                 continue
             bit = _tier(event.medium, event.locality)
-            _append(out.ops, "remove", _remove(state, bit, event.block_hashes), bit)
+            _append(out, "remove", _remove(state, bit, event.block_hashes), bit)
             applied_removed += 1
         elif type(event) is AllBlocksCleared:
             cleared += 1
             state.clear()
             out.ops.append(IndexOp("clear"))
+            out.tail = None
             out.cleared = True
     for name, count in (("BlockStored", stored), ("BlockRemoved", removed), ("AllBlocksCleared", cleared)):
         if count:

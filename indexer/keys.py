@@ -17,7 +17,6 @@ from __future__ import annotations
 import sys
 from array import array
 from collections.abc import Sequence
-from typing import Any
 
 import msgspec
 import xxhash
@@ -40,7 +39,7 @@ def token_bytes(tokens: Sequence[int]) -> bytes:
     return packed.tobytes()
 
 
-def extra_bytes(extra: Any) -> bytes:
+def extra_bytes(extra: Sequence[object] | None) -> bytes:
     """Canonical bytes of one block's extra keys; empty when there are none."""
     if not extra:
         return b""
@@ -49,13 +48,13 @@ def extra_bytes(extra: Any) -> bytes:
 
 def request_extra_keys(
     num_blocks: int, *, lora_name: str | None = None, cache_salt: str | None = None
-) -> list[list[Any] | None] | None:
+) -> list[list[str] | None] | None:
     """Per-block extra keys of a request, placed exactly as vLLM places them in its events."""
     if not lora_name and not cache_salt:
         return None
-    extras: list[list[Any] | None] = []
+    extras: list[list[str] | None] = []
     for i in range(num_blocks):
-        item: list[Any] = []
+        item: list[str] = []
         if lora_name:
             item.append(lora_name)
         if cache_salt and i == 0:
@@ -68,7 +67,7 @@ def chain_keys(
     tokens: Sequence[int],
     block_size: int,
     parent: int,
-    extra_keys: Sequence[Any] | None = None,
+    extra_keys: Sequence[Sequence[object] | None] | None = None,
     *,
     max_blocks: int | None = None,
 ) -> list[int]:
@@ -86,7 +85,7 @@ def chain_keys(
         packed.byteswap()
     data = memoryview(packed).cast("B")
     step = block_size * 4
-    keys = []
+    keys: list[int] = []
     append = keys.append
     key = parent & _MASK
     # The previous key is the seed of the next block's hash: no per-block byte concatenation.

@@ -1,32 +1,136 @@
-"""Prometheus metrics of the indexer.
+"""Prometheus metrics of the indexer, registered on a registry the composition root chooses.
 
-Defined once at module level (the default registry refuses duplicates), labelled by worker entity
-so several indexers in one process (tests, benchmarks) share them without registration errors.
+An :class:`IndexerMetrics` owns the metric families; the indexer and its subscriber receive one instead
+of reaching for module globals, so an app can put them on its own registry (the router renders its
+registry on ``/metrics``) and tests can count in isolation. :func:`default_metrics` is the one instance
+on prometheus' default ``REGISTRY`` that callers which pass nothing share: several indexers in one
+process (tests, benchmarks) then add up there, labelled by worker entity, as they always did.
+
+:class:`EntityMetrics` caches one entity's label children: ``labels()`` costs microseconds, and the
+ingestion path touches several series per batch.
 """
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
-EVENTS_RECEIVED = Counter("kvroute_index_events_received_total", "KV events received, by type", ["worker", "type"])
-EVENTS_APPLIED = Counter(
-    "kvroute_index_events_applied_total", "KV events applied to the index, by type", ["worker", "type"]
-)
-DROPPED = Counter("kvroute_index_dropped_total", "Messages or events dropped, by reason", ["worker", "reason"])
-GAPS = Counter("kvroute_index_gaps_total", "Sequence gaps detected", ["worker"])
-REPLAYS = Counter("kvroute_index_replays_total", "Replay requests, by outcome", ["worker", "outcome"])
-PURGES = Counter("kvroute_index_purges_total", "Worker purges, by reason", ["worker", "reason"])
-BLOCKS = Gauge("kvroute_index_blocks", "Blocks held per worker (any tier)", ["worker"])
-EVENT_LAG = Gauge(
-    "kvroute_index_event_lag_seconds", "Receive time minus the batch timestamp of the last batch", ["worker"]
-)
-LOOKUP_SECONDS = Histogram(
-    "kvroute_index_lookup_seconds",
-    "Index lookup latency (keys to per-worker matches)",
-    ["backend"],
-    buckets=(5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 1.0),
-)
-BACKEND_UP = Gauge("kvroute_index_backend_up", "1 when the index backend answers", ["backend"])
-BACKEND_ERRORS = Counter(
-    "kvroute_index_backend_errors_total", "Index backend failures, by operation", ["backend", "op"]
-)
+LOOKUP_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 1.0)
+
+
+class IndexerMetrics:
+    """The indexer's metric families, registered on ``registry`` (a fresh one when None)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.events_received = Counter(
+            "kvroute_index_events_received_total", "KV events received, by type", ["worker", "type"], registry=r
+        )
+        self.events_applied = Counter(
+            "kvroute_index_events_applied_total",
+            "KV events applied to the index, by type",
+            ["worker", "type"],
+            registry=r,
+        )
+        self.dropped = Counter(
+            "kvroute_index_dropped_total", "Messages or events dropped, by reason", ["worker", "reason"], registry=r
+        )
+        self.gaps = Counter("kvroute_index_gaps_total", "Sequence gaps detected", ["worker"], registry=r)
+        self.replays = Counter(
+            "kvroute_index_replays_total", "Replay requests, by outcome", ["worker", "outcome"], registry=r
+        )
+        self.purges = Counter(
+            "kvroute_index_purges_total", "Worker purges, by reason", ["worker", "reason"], registry=r
+        )
+        self.blocks = Gauge("kvroute_index_blocks", "Blocks held per worker (any tier)", ["worker"], registry=r)
+        self.event_lag = Gauge(
+            "kvroute_index_event_lag_seconds",
+            "Receive time minus the batch timestamp of the last batch",
+            ["worker"],
+            registry=r,
+        )
+        self.lookup_seconds = Histogram(
+            "kvroute_index_lookup_seconds",
+            "Index lookup latency (keys to per-worker matches)",
+            ["backend"],
+            buckets=LOOKUP_BUCKETS,
+            registry=r,
+        )
+        self.backend_up = Gauge("kvroute_index_backend_up", "1 when the index backend answers", ["backend"], registry=r)
+        self.backend_errors = Counter(
+            "kvroute_index_backend_errors_total",
+            "Index backend failures, by operation",
+            ["backend", "op"],
+            registry=r,
+        )
+
+    def entity(self, entity: str) -> EntityMetrics:
+        return EntityMetrics(self, entity)
+
+
+_default: IndexerMetrics | None = None
+
+
+def default_metrics() -> IndexerMetrics:
+    """The process-wide instance on prometheus' default ``REGISTRY`` (created on first use, once: the
+    default registry refuses a second registration of the same names)."""
+    global _default
+    if _default is None:
+        _default = IndexerMetrics(REGISTRY)
+    return _default
+
+
+class EntityMetrics:
+    """One worker entity's series, created on first use (a series appears when it first counts)."""
+
+    __slots__ = ("_applied", "_blocks", "_dropped", "_gaps", "_lag", "_metrics", "_purges", "_received", "entity")
+
+    def __init__(self, metrics: IndexerMetrics, entity: str) -> None:
+        self._metrics = metrics
+        self.entity = entity
+        self._received: dict[str, Counter] = {}
+        self._applied: dict[str, Counter] = {}
+        self._dropped: dict[str, Counter] = {}
+        self._purges: dict[str, Counter] = {}
+        self._blocks: Gauge | None = None
+        self._lag: Gauge | None = None
+        self._gaps: Counter | None = None
+
+    def received(self, kind: str, n: int) -> None:
+        child = self._received.get(kind)
+        if child is None:
+            child = self._received[kind] = self._metrics.events_received.labels(self.entity, kind)
+        child.inc(n)
+
+    def applied(self, kind: str, n: int) -> None:
+        child = self._applied.get(kind)
+        if child is None:
+            child = self._applied[kind] = self._metrics.events_applied.labels(self.entity, kind)
+        child.inc(n)
+
+    def dropped(self, reason: str, n: int = 1) -> None:
+        child = self._dropped.get(reason)
+        if child is None:
+            child = self._dropped[reason] = self._metrics.dropped.labels(self.entity, reason)
+        child.inc(n)
+
+    def purged(self, reason: str) -> None:
+        child = self._purges.get(reason)
+        if child is None:
+            child = self._purges[reason] = self._metrics.purges.labels(self.entity, reason)
+        child.inc()
+
+    def gap(self) -> None:
+        if self._gaps is None:
+            self._gaps = self._metrics.gaps.labels(self.entity)
+        self._gaps.inc()
+
+    def set_blocks(self, n: int) -> None:
+        if self._blocks is None:
+            self._blocks = self._metrics.blocks.labels(self.entity)
+        self._blocks.set(n)
+
+    def set_lag(self, seconds: float) -> None:
+        if self._lag is None:
+            self._lag = self._metrics.event_lag.labels(self.entity)
+        self._lag.set(seconds)

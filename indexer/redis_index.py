@@ -31,6 +31,8 @@ from redis.exceptions import RedisError
 log = logging.getLogger("kvroute.indexer.redis")
 
 _KIND = {"store": b"s", "remove": b"r", "clear": b"c"}
+#: One argument of a write script call.
+ScriptArg = bytes | int | str
 #: Keys per script call when rewriting large snapshots (keeps Redis responsive for others).
 MAX_KEYS_PER_CALL = 5_000
 
@@ -86,6 +88,7 @@ class RedisIndex(IndexBackend):
         return self._k(model, "b:").encode()
 
     async def _call(self, what: str, coro: Any) -> Any:
+        """Await one redis-py call (typed ``Awaitable[T] | T`` there, hence Any) as IndexUnavailable."""
         try:
             return await coro
         except (RedisError, OSError) as exc:
@@ -97,12 +100,12 @@ class RedisIndex(IndexBackend):
             await self._call("sadd", self.redis.sadd(f"{self.prefix}:models", model))
             self._models_known.add(model)
 
-    def _calls(self, model: str, worker_id: str, ops: Sequence[IndexOp]) -> list[list[Any]]:
+    def _calls(self, model: str, worker_id: str, ops: Sequence[IndexOp]) -> list[list[ScriptArg]]:
         """Script argument lists for one worker's ops, split so no call holds Redis for long."""
         prefix = self._block_prefix(model)
-        head = [len(prefix) + 8, worker_id, self.ttl_s]
-        calls: list[list[Any]] = []
-        args: list[Any] = []
+        head: list[ScriptArg] = [len(prefix) + 8, worker_id, self.ttl_s]
+        calls: list[list[ScriptArg]] = []
+        args: list[ScriptArg] = []
         size = 0
         for op in ops:
             keys = list(op.keys)
@@ -141,7 +144,7 @@ class RedisIndex(IndexBackend):
             await self._write(keys=self._model_keys(model), args=args, client=pipe)
         await self._call("write", pipe.execute())
 
-    async def _run_write(self, model: str, worker_id: str, ops_args: list[Any]) -> None:
+    async def _run_write(self, model: str, worker_id: str, ops_args: list[ScriptArg]) -> None:
         args = [len(self._block_prefix(model)) + 8, worker_id, self.ttl_s, *ops_args]
         await self._call("write", self._write(keys=self._model_keys(model), args=args))
 

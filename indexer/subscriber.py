@@ -9,6 +9,10 @@ Two ways a worker's events arrive (DESIGN §4):
 
 A sequence gap triggers a replay through a DEALER on the worker's replay endpoint; the indexer
 decides what the replayed batches mean (catch-up, or a buffer too short and a fresh start).
+
+The subscriber only consumes events. The index's upkeep (purging workers gone past the grace period,
+healing a backend that came back, renewing TTLs) is the indexer's :class:`IndexMaintenance`; callers
+that predate it and never start it get it started by :meth:`EventSubscriber.start` (see there).
 """
 
 from __future__ import annotations
@@ -17,11 +21,16 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass
+from typing import Literal
 from urllib.parse import urlsplit
 
 import zmq
 import zmq.asyncio
+from kvroute.indexer.entities import entity_id
 from kvroute.indexer.events import REPLAY_END_SEQ, encode_seq
+from kvroute.indexer.maintenance import IndexMaintenance
+from kvroute.indexer.metrics import IndexerMetrics
+from kvroute.indexer.sequencing import GapPolicy
 from kvroute.indexer.service import KVIndexer
 from kvroute.tasks import cancel_and_wait, raise_if_cancel_swallowed
 from zmq.utils.monitor import parse_monitor_message
@@ -31,6 +40,8 @@ log = logging.getLogger("kvroute.indexer.subscriber")
 RECV_HWM = 100_000
 RECONNECT_IVL_MS = 100
 RECONNECT_IVL_MAX_MS = 5_000
+
+ReplayOutcome = Literal["ok", "timeout", "error"]
 
 
 @dataclass(slots=True)
@@ -96,7 +107,11 @@ async def _bind_when_free(sock: zmq.asyncio.Socket, endpoint: str, wait_s: float
 
 
 class EventSubscriber:
-    """Owns the sockets and tasks feeding one indexer."""
+    """Owns the sockets and tasks feeding one indexer.
+
+    ``grace_s`` and ``refresh_s`` are only the settings of the indexer's maintenance when this
+    subscriber has to start it (see :meth:`start`). ``metrics`` defaults to the indexer's.
+    """
 
     def __init__(
         self,
@@ -107,20 +122,22 @@ class EventSubscriber:
         replay_timeout_s: float = 2.0,
         refresh_s: float | None = None,
         ctx: zmq.asyncio.Context | None = None,
+        metrics: IndexerMetrics | None = None,
     ) -> None:
         self.indexer = indexer
         self.bind = bind
         self.grace_s = grace_s
         self.replay_timeout_s = replay_timeout_s
-        #: Rewrite every worker's blocks this often (renews Redis TTLs of long-lived blocks); None = never.
         self.refresh_s = refresh_s
+        self.metrics = metrics if metrics is not None else indexer.metrics
         self.ctx = ctx or zmq.asyncio.Context.instance()
         self._specs: dict[str, WorkerSpec] = {}
         self._topics: dict[bytes, str] = {}
         self._tasks: dict[str, list[asyncio.Task[None]]] = {}
         self._bound: zmq.asyncio.Socket | None = None
         self._bound_task: asyncio.Task[None] | None = None
-        self._watchdog: asyncio.Task[None] | None = None
+        #: The indexer's maintenance when this subscriber started it (then it stops it too).
+        self._maintenance: IndexMaintenance | None = None
         self._running = False
         self.bound_endpoint: str | None = None
 
@@ -158,6 +175,13 @@ class EventSubscriber:
     # ---- lifecycle -----------------------------------------------------------------------------
 
     async def start(self) -> None:
+        """Open the sockets and start listening.
+
+        Compatibility: when nobody arranged the indexer's maintenance (callers written before it was the
+        indexer's), it is started here with this subscriber's ``grace_s``/``refresh_s`` and stopped by
+        :meth:`stop`. One arranged by the composition root (``indexer.make_maintenance()`` or
+        ``start_maintenance()``) is left alone, started or not.
+        """
         if self._running:
             return
         self._running = True
@@ -165,23 +189,31 @@ class EventSubscriber:
             self._bound = _sub_socket(self.ctx)
             self._bound.setsockopt(zmq.SUBSCRIBE, b"")
             await _bind_when_free(self._bound, self.bind)
-            self.bound_endpoint = self._bound.getsockopt(zmq.LAST_ENDPOINT).decode()
+            endpoint = self._bound.getsockopt(zmq.LAST_ENDPOINT)
+            assert isinstance(endpoint, bytes)
+            self.bound_endpoint = endpoint.decode()
             self._bound_task = asyncio.create_task(self._bound_loop(self._bound), name="kv-events-bound")
         for spec in self._specs.values():
             if spec.endpoint is not None:
                 self._start_worker(spec)
-        self._watchdog = asyncio.create_task(self._watch(), name="kv-events-watchdog")
+        if self.indexer.maintenance is None:
+            self._maintenance = self.indexer.start_maintenance(self.grace_s, self.refresh_s)
 
     async def stop(self) -> None:
         """Stop every task (bounded, see :mod:`kvroute.tasks`) and close the bound socket."""
         self._running = False
         tasks = [t for ts in self._tasks.values() for t in ts]
-        tasks += [t for t in (self._bound_task, self._watchdog) if t is not None]
+        tasks += [t for t in (self._bound_task,) if t is not None]
+        maintenance, self._maintenance = self._maintenance, None
         try:
-            await cancel_and_wait(tasks)
+            if maintenance is None:
+                await cancel_and_wait(tasks)
+            else:  # the one started here ends together with the loops, in the same bounded wait
+                own = self.indexer.stop_maintenance() if maintenance is self.indexer.maintenance else maintenance.stop()
+                await asyncio.gather(cancel_and_wait(tasks), own)
         finally:
             self._tasks.clear()
-            self._bound_task = self._watchdog = None
+            self._bound_task = None
             if self._bound is not None:
                 with contextlib.suppress(zmq.ZMQError):
                     self._bound.unbind(self.bound_endpoint or self.bind or "")
@@ -260,7 +292,7 @@ class EventSubscriber:
     async def _handle(self, spec: WorkerSpec, frames: list[bytes]) -> None:
         """One message; nothing a worker sends may end the loop."""
         try:
-            on_gap = "report" if spec.replay else "purge"
+            on_gap: GapPolicy = "report" if spec.replay else "purge"
             handled = await self.indexer.handle_message(spec.worker_id, frames, on_gap=on_gap)
             if handled.outcome == "gap" and handled.dp_rank is not None:
                 await self.replay(spec, handled.dp_rank)
@@ -272,16 +304,16 @@ class EventSubscriber:
             log.exception("worker %s: failed to handle a message", spec.worker_id)
             self.indexer.count_drop(spec.worker_id, "internal_error", str(exc))
 
-    async def replay(self, spec: WorkerSpec, rank: int) -> str:
+    async def replay(self, spec: WorkerSpec, rank: int) -> ReplayOutcome:
         """Ask the worker's replay socket for what we missed. Returns ok / timeout / error."""
         start = self.indexer.expected_seq(spec.worker_id, rank)
         if spec.replay is None or start is None:
             return "error"
         self.indexer.begin_replay(spec.worker_id, rank, start)
-        entity = spec.worker_id if rank == 0 else f"{spec.worker_id}#{rank}"
+        entity = entity_id(spec.worker_id, rank)
         dealer = self.ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
-        outcome = "ok"
+        outcome: ReplayOutcome = "ok"
         try:
             dealer.connect(rank_endpoint(spec.replay, rank))
             await dealer.send_multipart([b"", encode_seq(start)])
@@ -308,28 +340,5 @@ class EventSubscriber:
             log.warning("worker %s: replay failed: %s", entity, exc)
         finally:
             dealer.close(0)
-        from kvroute.indexer import metrics
-
-        metrics.REPLAYS.labels(entity, outcome).inc()
+        self.metrics.replays.labels(entity, outcome).inc()
         return outcome
-
-    async def _watch(self) -> None:
-        """Purge workers gone past the grace period; heal a backend that came back; renew TTLs."""
-        interval = max(0.05, min(1.0, self.grace_s / 4))
-        loop = asyncio.get_running_loop()
-        next_refresh = loop.time() + (self.refresh_s or 0)
-        while True:
-            raise_if_cancel_swallowed()
-            await asyncio.sleep(interval)
-            try:
-                await self.indexer.purge_gone(self.grace_s)
-                raise_if_cancel_swallowed()
-                await self.indexer.recover()
-                raise_if_cancel_swallowed()
-                if self.refresh_s and loop.time() >= next_refresh:
-                    next_refresh = loop.time() + self.refresh_s
-                    await self.indexer.refresh()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("indexer watchdog failed; retrying")

@@ -1,8 +1,10 @@
-"""Fixtures of the indexer tests: each backend (memory, and Redis on the private server), an indexer."""
+"""Fixtures of the indexer tests: each backend (memory, and Redis on the private server), an indexer,
+a Redis of the test's own (to stop and start), a ZMQ context."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import shutil
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 import zmq.asyncio
@@ -10,6 +12,8 @@ from kvroute.indexer.backend import IndexBackend
 from kvroute.indexer.memory import MemoryIndex
 from kvroute.indexer.redis_index import RedisIndex
 from kvroute.indexer.service import KVIndexer
+
+from tests.conftest import RedisServer
 
 
 @pytest.fixture(params=["memory", "redis"])
@@ -36,3 +40,13 @@ async def zctx() -> AsyncIterator[zmq.asyncio.Context]:
     ctx = zmq.asyncio.Context()
     yield ctx
     ctx.destroy(linger=0)
+
+
+@pytest.fixture
+def own_redis() -> Iterator[RedisServer]:
+    """A Redis this test may stop and start (not the session's shared one)."""
+    server = RedisServer()
+    server.start()
+    yield server
+    server.stop()
+    shutil.rmtree(server.dir, ignore_errors=True)

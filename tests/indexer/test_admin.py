@@ -160,9 +160,10 @@ async def test_backend_down_is_503() -> None:
     backend = RedisIndex(f"redis://127.0.0.1:{free_port()}/0", timeout_s=0.3)
     indexer = KVIndexer(backend, block_sizes={"m": 16})
     app = FastAPI()
-    app.include_router(index_admin_router(indexer), prefix="/admin")
+    app.include_router(index_admin_router(indexer, token=TOKEN), prefix="/admin")
     transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://admin") as c:
+    auth = {"Authorization": f"Bearer {TOKEN}"}  # mutating admin routes need a token (router/admin_auth.py)
+    async with httpx.AsyncClient(transport=transport, base_url="http://admin", headers=auth) as c:
         r = await c.post("/admin/index/lookup", json={"model": "m", "token_ids": PROMPT})
         assert r.status_code == 503 and "unavailable" in r.json()["detail"]
         assert (await c.delete("/admin/index/workers/a")).status_code == 503

@@ -55,7 +55,7 @@ op = st.one_of(
 def reference(indexer: KVIndexer, keys: list[int]) -> dict[str, tuple[int, ...]]:
     """A plain per-worker walk over the indexer's local views (no backend involved)."""
     out = {}
-    for ent in indexer._entities.values():
+    for ent in indexer.registry.entities.values():
         counts = [0, 0, 0, 0, 0]
         for key in keys:
             bits = ent.state.bits.get(key)

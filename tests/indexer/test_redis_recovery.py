@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import shutil
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,16 +19,6 @@ from tests.conftest import RedisServer
 from .fakevllm import Chain, Publisher, eventually
 
 PROMPT = list(range(300, 300 + 16 * 8))
-
-
-@pytest.fixture
-def own_redis():  # type: ignore[no-untyped-def]
-    """A Redis this test may stop and start (not the session's shared one)."""
-    server = RedisServer()
-    server.start()
-    yield server
-    server.stop()
-    shutil.rmtree(server.dir, ignore_errors=True)
 
 
 # This test once hung under CI load after the index had healed: sub.stop() cancelled the worker loop in the
@@ -177,7 +166,8 @@ async def test_stop_in_the_iteration_a_redis_command_was_sent(
             stopping.append(asyncio.get_running_loop().create_task(sub.stop()))
 
     await sub.start()
-    tasks = [t for ts in sub._tasks.values() for t in ts] + [t for t in (sub._watchdog,) if t is not None]
+    upkeep = indexer.maintenance.task if indexer.maintenance is not None else None
+    tasks = [t for ts in sub._tasks.values() for t in ts] + [t for t in (upkeep,) if t is not None]
     try:
         await pub.wait_subscribed()
         monkeypatch.setattr(rconn.Connection, "_send_packed_command", send_then_stop)

@@ -72,7 +72,9 @@ async def test_stop_ends_a_worker_loop_that_dropped_its_cancel(zctx: zmq.asyncio
         pub = Publisher(zctx)
         sub.add_worker(WorkerSpec("a", "m", endpoint=pub.endpoint, replay=pub.replay_endpoint))
         await sub.start()
-    tasks = [t for ts in sub._tasks.values() for t in ts] + [sub._bound_task, sub._watchdog]
+    maintenance = indexer.maintenance
+    assert maintenance is not None
+    tasks = [t for ts in sub._tasks.values() for t in ts] + [sub._bound_task, maintenance.task]
     tasks = [t for t in tasks if t is not None]
     try:
         await pub.wait_subscribed()
@@ -94,14 +96,37 @@ async def test_stop_ends_a_watchdog_that_dropped_its_cancel(zctx: zmq.asyncio.Co
     sub = EventSubscriber(indexer, ctx=zctx, grace_s=0.2)
     indexer.prime_catch_up("a")
     indexer.mark_backend_down("test")
-    indexer._next_recover = 0.0
+    indexer.mirror.next_recover = 0.0
     await sub.start()
-    assert sub._watchdog is not None
-    tasks = [sub._watchdog]
+    assert indexer.maintenance is not None and indexer.maintenance.task is not None
+    tasks = [indexer.maintenance.task]
     await asyncio.wait_for(backend.writing.wait(), 10)  # the watchdog is rewriting the worker
     stopped = await _stop_bounded(sub, tasks)
     assert backend.swallowed == 1
     assert stopped, "stop() hung on a watchdog that dropped its cancellation"
+
+
+async def test_stop_maintenance_ends_a_loop_that_dropped_its_cancel() -> None:
+    """The indexer's own upkeep, without any subscriber: stop_maintenance() is bounded the same way."""
+    backend = SwallowingIndex()
+    indexer = KVIndexer(backend)
+    indexer.register_worker("a", "m")
+    indexer.prime_catch_up("a")
+    indexer.mark_backend_down("test")
+    indexer.mirror.next_recover = 0.0
+    maintenance = indexer.start_maintenance(grace_s=0.2)
+    task = maintenance.task
+    assert task is not None
+    await asyncio.wait_for(backend.writing.wait(), 10)  # the upkeep is rewriting the worker
+    stopping = asyncio.create_task(indexer.stop_maintenance())
+    done, _ = await asyncio.wait({stopping}, timeout=8)
+    if not done:
+        for _ in range(3):
+            task.cancel()
+            await asyncio.sleep(0.05)
+    assert backend.swallowed == 1
+    assert done, "stop_maintenance() hung on a loop that dropped its cancellation"
+    assert task.done() and indexer.maintenance is None
 
 
 async def test_cancel_and_wait_cancels_again_and_stays_bounded() -> None:
