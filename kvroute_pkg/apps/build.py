@@ -15,7 +15,9 @@ from dataclasses import dataclass
 import httpx
 from kvroute.config import RouterConfig, WorkerConfig
 from kvroute.indexer.backend import IndexBackend
+from kvroute.indexer.maintenance import IndexMaintenance
 from kvroute.indexer.memory import MemoryIndex
+from kvroute.indexer.metrics import IndexerMetrics
 from kvroute.indexer.service import KVIndexer
 from kvroute.indexer.subscriber import EventSubscriber, WorkerSpec
 from kvroute.policies import Policy, create_policy
@@ -55,17 +57,26 @@ def make_backend(config: RouterConfig) -> IndexBackend:
     return MemoryIndex()
 
 
-def make_indexer(config: RouterConfig, backend: IndexBackend | None = None) -> KVIndexer:
+def make_indexer(
+    config: RouterConfig, backend: IndexBackend | None = None, metrics: IndexerMetrics | None = None
+) -> KVIndexer:
+    """The index over the configured backend; ``metrics`` on the process's registry (default: prometheus')."""
     sizes = {m.name: m.block_size for m in config.models if m.block_size}
-    return KVIndexer(backend or make_backend(config), block_sizes=sizes)
+    return KVIndexer(backend or make_backend(config), block_sizes=sizes, metrics=metrics)
 
 
 def make_subscriber(config: RouterConfig, indexer: KVIndexer) -> EventSubscriber:
-    """The KV-event subscriber; a Redis index expires entries after ``block_ttl_s`` (the safety net for lost
-    removals), so live blocks are rewritten well before that, or hot prefixes (system prompts) would drop out."""
+    """The KV-event subscriber (it only consumes events; upkeep is :func:`make_maintenance`'s)."""
+    return EventSubscriber(indexer, bind=config.index.events_bind)
+
+
+def make_maintenance(config: RouterConfig, indexer: KVIndexer) -> IndexMaintenance:
+    """The index's upkeep: workers gone past the grace period purged, backend recovery, and for Redis a
+    rewrite of live blocks well before ``block_ttl_s`` (the safety net for lost removals), or hot prefixes
+    (system prompts) would expire."""
     index = config.index
     refresh_s = index.block_ttl_s / 3 if index.backend == "redis" and index.block_ttl_s else None
-    return EventSubscriber(indexer, bind=index.events_bind, grace_s=index.worker_gone_grace_s, refresh_s=refresh_s)
+    return indexer.make_maintenance(grace_s=index.worker_gone_grace_s, refresh_s=refresh_s)
 
 
 def spec_for(worker: WorkerConfig, model: str) -> WorkerSpec:
@@ -152,7 +163,7 @@ def build_state(
         healthy_after=c.healthy_after,
         probe_timeout_s=min(c.connect_timeout_s + 1.0, c.health_interval_s + 1.0),
     )
-    indexer = make_indexer(c)
+    indexer = make_indexer(c, metrics=IndexerMetrics(metrics.registry))
     tokenize_client = httpx.AsyncClient(timeout=10.0, limits=httpx.Limits(max_connections=64))
 
     def worker_urls_for(model: str) -> list[str]:
@@ -185,6 +196,7 @@ def build_state(
         services.append(discovery)
     subscriptions = None
     if c.index.subscribe:
+        services.append(make_maintenance(c, indexer))  # starts before the subscriber, stops after it
         subscriptions = SubscriptionSync(registry, make_subscriber(c, indexer), indexer, kv_metrics, probe)
         services.append(subscriptions)
     services.append(Closing("tokenizer client", tokenize_client.aclose))

@@ -16,7 +16,7 @@ import signal
 import sys
 from typing import Any
 
-from kvroute.apps.build import make_indexer, make_subscriber, spec_for
+from kvroute.apps.build import make_indexer, make_maintenance, make_subscriber, spec_for
 from kvroute.config import RouterConfig
 from kvroute.indexer.backend import IndexBackend
 from kvroute.indexer.service import KVIndexer
@@ -161,6 +161,8 @@ async def _serve(config: RouterConfig, host: str, port: int) -> int:
             indexer.backend.name,
         )
         indexer.mark_backend_down("not reachable at start")
+    maintenance = make_maintenance(config, indexer)
+    await maintenance.start()
     await subscriber.start()
     if subscriber.bound_endpoint:
         log.info("listening for connecting workers on %s", subscriber.bound_endpoint)
@@ -178,6 +180,7 @@ async def _serve(config: RouterConfig, host: str, port: int) -> int:
     with contextlib.suppress(asyncio.CancelledError):
         await discovery
     await subscriber.stop()
+    await maintenance.stop()
     await indexer.backend.close()
     return 0
 
