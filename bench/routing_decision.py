@@ -76,7 +76,7 @@ def bench_policies(n_workers: int, prompt_tokens: int, iters: int) -> None:
 def bench_tokenizer(turns: int) -> None:
     from kvroute.router.tokens import LocalTokenizer
 
-    from tests.router_kv.test_tokens import build_model_folder  # the same locally built BPE as the tests
+    from tests.router.test_tokens import build_model_folder  # the same locally built BPE as the tests
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = build_model_folder(Path(tmp) / "model")

@@ -18,7 +18,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.deploy.chart import DASHBOARD
-from tests.kv.conftest import eventually, routed_fleet, words
+from tests.end_to_end.conftest import eventually, routed_fleet, words
 
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
 _MATCHERS = re.compile(r"\{[^{}]*\}")

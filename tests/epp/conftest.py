@@ -19,7 +19,7 @@ from kvroute.apps.epp import GrpcEpp, epp_service
 from kvroute.config import RouterConfig
 from kvroute.sim.fleet import SimFleet
 
-from tests.router.upstream import serve
+from tests.http.upstream import serve
 
 FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 BUFFERED = processing_mode_pb2.ProcessingMode.BUFFERED

@@ -23,8 +23,8 @@ from tests.epp.conftest import (
     running_epp,
     set_headers,
 )
-from tests.kv.conftest import eventually, words
-from tests.kv.test_end_to_end import BusyHolder, indexed_blocks, metric
+from tests.end_to_end.conftest import eventually, words
+from tests.end_to_end.test_end_to_end import BusyHolder, indexed_blocks, metric
 
 
 def completion(model: str, prompt: str, **extra: Any) -> dict[str, Any]:

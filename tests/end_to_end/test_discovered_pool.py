@@ -16,8 +16,8 @@ from kvroute.sim.fleet import SimFleet
 
 from tests.discovery.kube_apiserver import KubeApiServer, make_pod
 from tests.discovery.test_kubernetes import write_kubeconfig
-from tests.kv.conftest import FAST, eventually, words
-from tests.router.upstream import serve
+from tests.end_to_end.conftest import FAST, eventually, words
+from tests.http.upstream import serve
 
 
 def pod_for(name: str, url: str) -> dict[str, object]:

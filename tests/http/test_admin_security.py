@@ -9,8 +9,8 @@ from kvroute.apps.build import build_app
 from kvroute.config import RouterConfig
 from kvroute.router.admin_auth import worker_refusal
 
-from tests.router.conftest import run_router
-from tests.router.upstream import FakeWorker, serve_worker
+from tests.http.conftest import run_router
+from tests.http.upstream import FakeWorker, serve_worker
 
 AUTH = {"Authorization": "Bearer s3cret"}
 

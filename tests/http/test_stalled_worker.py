@@ -12,8 +12,8 @@ from typing import Any
 import httpx
 
 from tests.polling import eventually
-from tests.router.conftest import run_router
-from tests.router.upstream import FakeWorker, serve_worker
+from tests.http.conftest import run_router
+from tests.http.upstream import FakeWorker, serve_worker
 
 STREAM = {"model": "m1", "prompt": "hello", "stream": True}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import httpx
 
-from tests.kv.conftest import eventually, routed_fleet, words
+from tests.end_to_end.conftest import eventually, routed_fleet, words
 
 
 def samples(text: str, name: str) -> dict[str, float]:

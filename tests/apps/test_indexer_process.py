@@ -18,7 +18,7 @@ from kvroute.indexer.redis_index import RedisIndex
 
 from tests.conftest import free_port
 
-from .fakevllm import Chain, Publisher, eventually
+from tests.indexer.fakevllm import Chain, Publisher, eventually
 
 PROMPT = list(range(7, 7 + 16 * 6))
 

@@ -12,8 +12,8 @@ from kvroute.apps.build import build_app
 from kvroute.config import RouterConfig
 from kvroute.policies.base import Policy, RoutePlan, RouteRequest, WorkerView
 
-from tests.kv.conftest import eventually, routed_fleet, words
-from tests.router.upstream import serve
+from tests.end_to_end.conftest import eventually, routed_fleet, words
+from tests.http.upstream import serve
 
 
 def completion(model: str, prompt: str, **extra: Any) -> dict[str, Any]:

@@ -11,8 +11,8 @@ from kvroute.indexer.service import KVIndexer
 from kvroute.indexer.subscriber import EventSubscriber, WorkerSpec
 from kvroute.sim.fleet import SimFleet
 
-from tests.kv.conftest import FAST, eventually, words
-from tests.router.upstream import serve
+from tests.end_to_end.conftest import FAST, eventually, words
+from tests.http.upstream import serve
 
 
 async def test_replicas_route_by_a_shared_redis_index(redis_url: str) -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import httpx
 
-from tests.router.conftest import run_router
-from tests.router.upstream import FakeWorker, serve_worker
+from tests.http.conftest import run_router
+from tests.http.upstream import FakeWorker, serve_worker
 
 COMPLETION = {"model": "m1", "prompt": "hello"}
 AUTH = {"Authorization": "Bearer s3cret"}

@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kvroute.router.paths import CONTROL_PATHS, canonical_path, proxied
 
-from tests.router.conftest import run_router
-from tests.router.upstream import FakeWorker, serve_worker
+from tests.http.conftest import run_router
+from tests.http.upstream import FakeWorker, serve_worker
 
 EVIL_PARAMS = {
     "remote_host": "169.254.169.254",

@@ -8,8 +8,8 @@ import httpx
 import orjson
 from kvroute.policies import Policy, RouteOutcome, RoutePlan, RouteRequest, WorkerView
 
-from tests.router.conftest import run_router
-from tests.router.upstream import FakeWorker, serve_worker
+from tests.http.conftest import run_router
+from tests.http.upstream import FakeWorker, serve_worker
 
 CHAT = {"model": "m1", "messages": [{"role": "user", "content": "hi"}]}
 COMPLETION = {"model": "m1", "prompt": "hello", "max_tokens": 3}

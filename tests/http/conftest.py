@@ -12,7 +12,7 @@ from kvroute.apps.build import build_app
 from kvroute.config import RouterConfig
 from kvroute.policies import Policy
 
-from tests.router.upstream import FakeWorker, serve, serve_worker
+from tests.http.upstream import FakeWorker, serve, serve_worker
 
 
 @contextlib.asynccontextmanager

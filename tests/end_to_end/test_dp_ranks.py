@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import httpx
 
-from tests.kv.conftest import eventually, routed_fleet, words
+from tests.end_to_end.conftest import eventually, routed_fleet, words
 
 
 async def test_requests_go_to_the_rank_that_holds_their_prefix(client: httpx.AsyncClient) -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import httpx
 from kvroute.config import RouterConfig
 
-from tests.router.conftest import run_router
-from tests.router.upstream import FakeWorker, serve_worker
+from tests.http.conftest import run_router
+from tests.http.upstream import FakeWorker, serve_worker
 
 
 def test_kvaware_is_the_default_policy() -> None:

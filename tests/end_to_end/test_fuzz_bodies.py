@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.kv.conftest import routed_fleet
+from tests.end_to_end.conftest import routed_fleet
 
 SCALARS = st.one_of(
     st.none(),

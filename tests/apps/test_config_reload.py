@@ -10,8 +10,8 @@ from pathlib import Path
 import httpx
 import yaml
 
-from tests.router.test_cli import KVROUTE
-from tests.router.upstream import FakeWorker, free_port, serve_worker
+from tests.apps.test_serve_cli import KVROUTE
+from tests.http.upstream import FakeWorker, free_port, serve_worker
 
 
 def write(path: Path, workers: list[str], **extra: object) -> None:

@@ -13,7 +13,7 @@ import pytest
 from kvroute.apps.cli import main
 from kvroute.apps.serve import overrides_from
 
-from tests.router.upstream import FakeWorker, free_port, serve_worker
+from tests.http.upstream import FakeWorker, free_port, serve_worker
 
 KVROUTE = [sys.executable, "-m", "kvroute.apps.cli"]
 

@@ -13,8 +13,8 @@ import httpx
 import yaml
 
 from tests.polling import eventually
-from tests.router.test_cli import KVROUTE
-from tests.router.upstream import FakeWorker, free_port, serve_worker
+from tests.apps.test_serve_cli import KVROUTE
+from tests.http.upstream import FakeWorker, free_port, serve_worker
 
 
 async def closed_by_server(reader: asyncio.StreamReader) -> bool:

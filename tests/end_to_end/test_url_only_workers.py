@@ -10,8 +10,8 @@ from kvroute.apps.serve import overrides_from
 from kvroute.config import load_config
 from kvroute.sim.fleet import SimFleet
 
-from tests.kv.conftest import FAST, eventually, words
-from tests.router.upstream import serve
+from tests.end_to_end.conftest import FAST, eventually, words
+from tests.http.upstream import serve
 
 
 def flags(urls: list[str]) -> object:

@@ -14,7 +14,7 @@ from kvroute.policies import Policy, RoutePlan, RouteRequest, WorkerView
 from kvroute.policies.base import RouteOutcome
 from kvroute.router.state import RouterState
 
-from tests.router.upstream import FakeWorker, serve, serve_worker
+from tests.http.upstream import FakeWorker, serve, serve_worker
 
 
 class Facts(Policy):

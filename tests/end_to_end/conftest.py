@@ -13,7 +13,7 @@ from kvroute.config import RouterConfig
 from kvroute.sim.fleet import SimFleet
 
 from tests.polling import eventually as eventually
-from tests.router.upstream import serve
+from tests.http.upstream import serve
 
 FAST = 0.01
 

@@ -1,0 +1,194 @@
+"""bench/peers.py runs end to end, and its workloads keep the structure of the traces they replay.
+
+The smoke test uses kvroute's own routers only (no peer is installed in tests) on the tiniest
+settings; it checks the harness, not any timing.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import workloads  # noqa: E402
+
+
+def _lcp(a: list[str], b: list[str]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+# -- Mooncake ---------------------------------------------------------------------------------------------------
+
+
+def test_equal_hash_ids_give_equal_text_and_different_ids_differ() -> None:
+    scale = 1 / 32  # 16 words per block
+    a = workloads.mooncake_prompt([7, 8, 9], 3 * 512, scale).split()
+    b = workloads.mooncake_prompt([7, 8, 10], 3 * 512, scale).split()
+    assert len(a) == len(b) == 48
+    assert a[:32] == b[:32]  # blocks 7 and 8: the same words in both
+    assert _lcp(a, b) < 48
+    assert workloads.mooncake_prompt([7, 8, 9], 3 * 512, scale).split() == a  # deterministic
+    # The partial last block is a prefix of the full block of the same id.
+    partial = workloads.mooncake_prompt([7, 8, 9], 2 * 512 + 100, scale).split()
+    assert len(partial) == 32 + round(100 * scale) and a[: len(partial)] == partial
+
+
+def test_mooncake_trace_keeps_prefix_sharing_and_times(tmp_path: Path) -> None:
+    rows = [
+        {"timestamp": 0, "input_length": 3 * 512, "output_length": 10, "hash_ids": [0, 1, 2]},
+        {"timestamp": 1000, "input_length": 2 * 512 + 50, "output_length": 20, "hash_ids": [0, 1, 3]},
+        {"timestamp": 3000, "input_length": 512, "output_length": 5, "hash_ids": [4]},
+        {"timestamp": 4000, "input_length": 4 * 512, "output_length": 7, "hash_ids": [0, 1, 2, 5]},
+    ]
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    scale = 1 / 32
+    trace = workloads.mooncake_trace(0, requests=0, speedup=2.0, scale=scale, sample="window", path=path)
+    texts = [s.steps[0].content.split() for s in trace.sessions]
+    assert [len(t) for t in texts] == [48, 34, 16, 64]
+    assert _lcp(texts[0], texts[1]) >= 32 and texts[0][:32] == texts[1][:32]
+    assert texts[3][:48] == texts[0]  # shares all three blocks of the first request
+    assert _lcp(texts[0], texts[2]) < 16
+    assert [s.start_s for s in trace.sessions] == [0.0, 0.5, 1.5, 2.0]  # ms -> s, over the speed-up
+    assert [s.steps[0].max_tokens for s in trace.sessions] == [1, 1, 1, 1]  # outputs scale too (minimum 1)
+    # Family sampling keeps whole families: every request whose first block is 0 comes together.
+    fam = workloads.mooncake_trace(3, requests=1, scale=scale, path=path)
+    firsts = {s.steps[0].content.split()[0] for s in fam.sessions}
+    assert len(firsts) == 1 and len(fam.sessions) in (1, 3)
+
+
+def test_public_mooncake_trace_prefixes_become_shared_text() -> None:
+    if not workloads.MOONCAKE_PATH.exists():
+        pytest.skip("public trace not present")
+    scale = 1 / 64  # 8 words per 512-token block
+    rows = [r for r in workloads.mooncake_rows()[:400] if len(r.hash_ids) >= 2]
+    pairs = 0
+    for i, a in enumerate(rows):
+        for b in rows[i + 1 : i + 40]:
+            k = _lcp(list(map(str, a.hash_ids)), list(map(str, b.hash_ids)))
+            if k == 0 or k == min(len(a.hash_ids), len(b.hash_ids)):
+                continue
+            ta = workloads.mooncake_prompt(a.hash_ids, len(a.hash_ids) * 512, scale).split()
+            tb = workloads.mooncake_prompt(b.hash_ids, len(b.hash_ids) * 512, scale).split()
+            assert k * 8 <= _lcp(ta, tb) < (k + 1) * 8
+            pairs += 1
+    assert pairs > 0
+    # Sampling whole families keeps the reuse that 200 consecutive requests lose (2-6 % of blocks).
+    trace = workloads.mooncake_trace(0, requests=200, scale=scale)
+    blocks, _ = workloads.working_set(trace)
+    assert blocks * 16 < 0.7 * workloads.prompt_tokens(trace)
+
+
+# -- shared prefix, agentic, chat ----------------------------------------------------------------------------------
+
+
+def test_shared_prefix_groups_share_exactly_their_system_prompt() -> None:
+    trace = workloads.shared_prefix_trace(0, requests=40, groups=4, prompts_per_group=5, scale=1 / 20, rate=8.0)
+    assert len(trace.sessions) == 40
+    systems = sorted({s.system for s in trace.sessions})
+    assert len(systems) == 4
+    assert all(len(s.split()) == 300 for s in systems)
+    for a in trace.sessions:
+        for b in trace.sessions:
+            if a is b:
+                continue
+            pa = a.system.split() + a.steps[0].content.split()
+            pb = b.system.split() + b.steps[0].content.split()
+            if a.system == b.system:
+                if a.steps[0].content != b.steps[0].content:
+                    assert _lcp(pa, pb) == 300  # the system prompt, not a word more
+            else:
+                assert _lcp(pa, pb) < 5
+    assert all(len(s.steps[0].content.split()) == 60 and s.steps[0].max_tokens == 50 for s in trace.sessions)
+    starts = [s.start_s for s in trace.sessions]
+    assert starts == sorted(starts) and 2.0 < starts[-1] < 10.0  # Poisson at 8/s: about 5 s
+
+
+def test_agentic_sessions_share_agent_prompts_and_grow() -> None:
+    trace = workloads.agentic_trace(0, sessions=12, agents=3, scale=0.1)
+    assert 1 < len({s.system for s in trace.sessions}) <= 3
+    assert all(4 <= len(s.steps) <= 12 for s in trace.sessions)
+    assert all(step.delay_s > 0 for s in trace.sessions for step in s.steps[1:])
+    assert workloads.agentic_trace(0, sessions=12, agents=3, scale=0.1) == trace  # seeded
+
+
+def test_chat_and_sizing_helpers() -> None:
+    trace = workloads.chat_trace(0, sessions=10, scale=0.5)
+    assert all(1 <= len(s.steps) <= 4 for s in trace.sessions)
+    faster = workloads.with_rate(trace, 2.0)
+    assert [s.start_s for s in faster.sessions] == [s.start_s / 2 for s in trace.sessions]
+    blocks, largest = workloads.working_set(trace)
+    assert blocks > 0 and largest > 0
+    # A session replayed twice computes nothing new; two sessions behind one system prompt share its blocks.
+    one = workloads.Trace("one", 0, trace.sessions[:1])
+    assert workloads.working_set(workloads.Trace("x", 0, trace.sessions[:1] * 2)) == workloads.working_set(one)
+    sp = workloads.shared_prefix_trace(0, requests=2, groups=1, prompts_per_group=2, scale=0.1)
+    alone = [workloads.working_set(workloads.Trace("a", 0, (s,)))[0] for s in sp.sessions]
+    assert workloads.working_set(sp)[0] == sum(alone) - 600 // 16  # the 600-token system prompt, once
+    assert workloads.prompt_tokens(trace) > 0
+
+
+# -- the harness end to end -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_peers_bench_runs_every_cell_with_kvroute_routers(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "peers.py"),
+            "--routers",
+            "kvaware,round_robin",
+            "--seeds",
+            "0",
+            "--requests",
+            "6",
+            "--workers",
+            "2",
+            "--time-scale",
+            "0.25",
+            "--scale",
+            "0.5",
+            "--work",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=880,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    data = json.loads((tmp_path / "peers.json").read_text())
+    assert not any("failed" in r for r in data["runs"])
+    cells = {(c["trace"], c["regime"], c["router"]): c for c in data["cells"]}
+    traces = ("mooncake", "shared_prefix@16", "agentic", "chat")
+    regimes = ("light", "pressure", "tiered", "pd")
+    assert set(cells) == {(t, g, r) for t in traces for g in regimes for r in ("kvaware", "round_robin")}
+    for cell in cells.values():
+        med = cell["median"]
+        assert med["answered"] == med["requests"] > 0 and med["errors"] == 0
+        assert med["ttft_p50_ms"] > 0 and 0 <= med["goodput"] <= 1
+        assert "ttft_p50_ms" in cell["ratios"] and cell["reference"] == "best other router"
+    # Cached tokens are counted from usage wherever a prompt repeats a prefix.
+    for trace in traces:
+        assert cells[(trace, "light", "kvaware")]["median"]["cached_tokens"] > 0
+    # The P/D regime moved KV to decoders (client-side "cached" includes it), the aggregated ones did not.
+    pd = cells[("mooncake", "pd", "kvaware")]["median"]
+    assert pd["cached_token_ratio"] > pd["prefill_saved_ratio"]
+    light = cells[("mooncake", "light", "kvaware")]["median"]
+    assert light["cached_token_ratio"] == pytest.approx(light["prefill_saved_ratio"])
+    for regime in regimes:
+        assert (tmp_path / f"peers-{regime}.png").stat().st_size > 10_000
+    assert "| mooncake | kvaware |" in (tmp_path / "peers.md").read_text()
