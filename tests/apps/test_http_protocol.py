@@ -12,9 +12,9 @@ from pathlib import Path
 import httpx
 import yaml
 
-from tests.polling import eventually
 from tests.apps.test_serve_cli import KVROUTE
 from tests.http.upstream import FakeWorker, free_port, serve_worker
+from tests.polling import eventually
 
 
 async def closed_by_server(reader: asyncio.StreamReader) -> bool:

@@ -17,7 +17,6 @@ from kvroute.indexer.keys import request_keys
 from kvroute.indexer.redis_index import RedisIndex
 
 from tests.conftest import free_port
-
 from tests.indexer.fakevllm import Chain, Publisher, eventually
 
 PROMPT = list(range(7, 7 + 16 * 6))

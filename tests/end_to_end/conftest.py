@@ -12,8 +12,8 @@ from kvroute.apps.build import build_app
 from kvroute.config import RouterConfig
 from kvroute.sim.fleet import SimFleet
 
-from tests.polling import eventually as eventually
 from tests.http.upstream import serve
+from tests.polling import eventually as eventually
 
 FAST = 0.01
 

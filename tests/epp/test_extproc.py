@@ -11,6 +11,8 @@ import pytest
 from kvroute.router.extproc import Endpoints, endpoint_of
 from kvroute.sim.fleet import SimFleet
 
+from tests.end_to_end.conftest import eventually, words
+from tests.end_to_end.test_end_to_end import BusyHolder, indexed_blocks, metric
 from tests.epp.conftest import (
     BUFFERED,
     Envoy,
@@ -23,8 +25,6 @@ from tests.epp.conftest import (
     running_epp,
     set_headers,
 )
-from tests.end_to_end.conftest import eventually, words
-from tests.end_to_end.test_end_to_end import BusyHolder, indexed_blocks, metric
 
 
 def completion(model: str, prompt: str, **extra: Any) -> dict[str, Any]:

@@ -6,9 +6,9 @@ import asyncio
 
 import httpx
 
-from tests.polling import eventually as wait_for
 from tests.http.conftest import run_router
 from tests.http.upstream import FakeWorker, broken_stream_server, free_port, hangup_server, serve_worker
+from tests.polling import eventually as wait_for
 
 COMPLETION = {"model": "m1", "prompt": "hello"}
 

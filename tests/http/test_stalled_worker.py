@@ -11,9 +11,9 @@ from typing import Any
 
 import httpx
 
-from tests.polling import eventually
 from tests.http.conftest import run_router
 from tests.http.upstream import FakeWorker, serve_worker
+from tests.polling import eventually
 
 STREAM = {"model": "m1", "prompt": "hello", "stream": True}
 
