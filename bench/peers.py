@@ -1,0 +1,729 @@
+"""Time to first token against the real peer routers, on traces nobody here wrote, in every regime.
+
+    .venv/bin/python bench/peers.py --quick        # Mooncake + shared prefix, 40 requests, 1 seed: ~8 min
+    .venv/bin/python bench/peers.py                # every trace x regime x router, 200 requests, 3 seeds
+    .venv/bin/python bench/peers.py --routers kvaware,round_robin --traces chat --regimes light
+
+For each (trace, regime, seed) and each router, a **fresh** simulated fleet (``kvroute sim``) is started,
+so no cache or index carries over from one router to the next, then the router in front of it, and the
+same trace is replayed through it (``kvroute.sim.replay``: streaming, ``stream_options.include_usage``).
+Routers: ``kvroute serve --policy kvaware`` and kvroute's ``round_robin`` (the floor), and the peers,
+installed from PyPI into throwaway venvs under the work folder (never into ``.venv``): smg 1.13.0
+(SGLang's gateway; ``cache_aware``, ``prefix_hash``) and vllm-router 0.1.17 (``cache_aware``), each
+with its maintainers' defaults and its own prometheus port. Routers run interleaved per seed, in an
+order rotated by seed, so machine noise spreads over all of them.
+
+Traces (``bench/workloads.py``): the public Mooncake FAST'25 synthetic trace, llm-d's shared-prefix
+benchmark shape (a rate sweep with ``--shared-prefix-rates``), agentic sessions, short chat. Regimes
+(fleet options of ``kvroute sim``): light load; cache pressure (a GPU cache that holds the requests in
+flight plus a quarter of the trace's working set); a tiered P2P fleet (that cache, a CPU tier 4x its size,
+and ``pool.kv_protocol: p2p``: kvroute may fetch blocks from a peer worker, the peers cannot); a P/D fleet
+(prefill/decode roles, NIXL): vllm-router runs its own vLLM P/D mode there; smg's P/D mode speaks
+SGLang's bootstrap protocol (against vLLM workers both legs prefill and no KV moves), so smg gets the
+same workers as plain workers (``--no-peer-pd``: vllm-router too), and the table says so.
+
+Figures per run, in the simulated hardware's milliseconds (real seconds / time scale): TTFT p50/p90/p99,
+e2e p50/p99, goodput (share of requests with TTFT within ``--slo-ms``; failed requests count as missed),
+cached tokens as the clients were told (usage), the prefill the engines were spared (prompt tokens minus
+what they computed, from their ``/metrics``; in P/D the client's "cached" includes the prefill->decode
+handoff, this does not), that prefill as a share of ``bench/routing.py``'s oracle (a request reuses any
+prefix whose first token came before it was sent; a request that queues can beat it, so it may pass
+100 %; the JSON's ``bound_share`` is against every prefix sent before, a bound for any router), the
+busiest worker's share of the prompt tokens, errors. Per cell: the median over seeds and the spread
+(min-max); ratios against the best peer of that cell, per metric.
+Output under ``--work``: ``peers.json`` (every run and every cell), ``peers.md``, ``peers-<regime>.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+import workloads
+import yaml
+from kvroute.experiment import (
+    FleetSpec,
+    PolicyRun,
+    Progress,
+    _process,
+    _scrape,
+    answers_ok,
+    free_port,
+    run_policy,
+    wait_until_ready,
+)
+from kvroute.report import pyplot
+from kvroute.sim.presets import get_preset
+from kvroute.sim.replay import percentile, replay
+from kvroute.sim.traces import Trace
+from routing import _samples, _total, figures, oracle_cached
+
+# -- routers ------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Peer:
+    """A peer router from PyPI, installed into ``<work>/venv-<name>``."""
+
+    name: str
+    requirement: str
+    binary: str
+
+
+PEERS = {
+    "smg": Peer("smg", "smg==1.13.0", "smg"),
+    "vllm-router": Peer("vllm-router", "vllm-router==0.1.17", "vllm-router"),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Router:
+    name: str
+    #: "kvroute" or a key of PEERS.
+    kind: str
+    policy: str
+
+
+ROUTERS = {
+    r.name: r
+    for r in (
+        Router("kvaware", "kvroute", "kvaware"),
+        Router("round_robin", "kvroute", "round_robin"),
+        Router("smg:cache_aware", "smg", "cache_aware"),
+        Router("smg:prefix_hash", "smg", "prefix_hash"),
+        Router("vllm-router:cache_aware", "vllm-router", "cache_aware"),
+    )
+}
+
+
+def ensure_peer(peer: Peer, work: Path, log: Callable[[str], None] = print) -> Path:
+    """The peer's executable, installed into a throwaway venv under ``work`` when missing."""
+    venv = work / f"venv-{peer.name}"
+    exe = venv / "bin" / peer.binary
+    marker = venv / ".kvroute-installed"
+    if exe.exists() and marker.exists() and marker.read_text().strip() == peer.requirement:
+        return exe
+    log(f"installing {peer.requirement} into {venv} (about a minute) ...")
+    began = time.monotonic()
+    subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
+    done = subprocess.run(
+        [str(venv / "bin" / "pip"), "install", "--quiet", "--disable-pip-version-check", peer.requirement],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0 or not exe.exists():
+        raise RuntimeError(f"pip install {peer.requirement} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    marker.write_text(peer.requirement + "\n")
+    log(f"installed {peer.requirement} in {time.monotonic() - began:.0f} s")
+    return exe
+
+
+def peer_argv(router: Router, exe: Path, config: dict[str, Any], port: int, metrics_port: int, pd: bool) -> list[str]:
+    """Command line of a peer in front of the fleet; in a P/D fleet vllm-router uses its vLLM P/D mode."""
+    common = ["--host", "127.0.0.1", "--port", str(port)]
+    common += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port)]
+    workers = config["workers"]
+    urls = [w["url"] for w in workers]
+    if router.kind == "smg":
+        return [str(exe), "launch", *common, "--worker-urls", *urls, "--policy", router.policy, "--log-level", "warn"]
+    if router.kind == "vllm-router":
+        argv = [str(exe), *common, "--policy", router.policy, "--log-level", "warning"]
+        if pd:
+            argv += ["--vllm-pd-disaggregation"]
+            for w in workers:
+                argv += ["--prefill", w["url"]] if w.get("role") == "prefill" else ["--decode", w["url"]]
+            return argv
+        return [*argv, "--worker-urls", *urls]
+    raise ValueError(f"unknown peer kind {router.kind!r}")
+
+
+def peer_mode(router: Router, native_pd: bool) -> str:
+    """How a router uses a P/D fleet, for the table."""
+    if router.kind == "kvroute":
+        return "P/D (NIXL)"
+    if router.kind == "vllm-router" and native_pd:
+        return "P/D (its vLLM mode)"
+    return "plain workers"
+
+
+def _peer_ready(router: Router, base: str, n_workers: int) -> bool:
+    if not answers_ok(base + "/v1/models"):
+        return False
+    if router.kind != "smg":
+        return True  # vllm-router checks every worker before it listens
+    try:
+        listed = httpx.get(base + "/workers", timeout=1.0).json().get("workers", [])
+    except (httpx.HTTPError, ValueError):
+        return False
+    return len(listed) >= n_workers and all(w.get("is_healthy", True) for w in listed)
+
+
+@contextlib.contextmanager
+def started_fleet(fleet: FleetSpec, workdir: Path, name: str) -> Iterator[dict[str, Any]]:
+    """``kvroute sim`` running with ``fleet``; yields its ``kvroute serve`` config (the workers' URLs).
+
+    The fleet half of ``kvroute.experiment.run_policy``, which starts its own router in one piece."""
+    fleet_yaml = workdir / f"fleet-{name}.yaml"
+    fleet_log = workdir / f"fleet-{name}.log"
+    fleet_yaml.unlink(missing_ok=True)
+    with _process(fleet.argv(fleet_yaml), fleet_log) as sim:
+        wait_until_ready(lambda: fleet_yaml.exists() and fleet_yaml.stat().st_size > 0, sim, "kvroute sim", fleet_log)
+        time.sleep(0.2)
+        yield yaml.safe_load(fleet_yaml.read_text())
+
+
+def run_peer(
+    router: Router,
+    exe: Path,
+    trace: Trace,
+    fleet: FleetSpec,
+    *,
+    workdir: Path,
+    on_result: Callable[[Any], None] | None = None,
+    native_pd: bool = True,
+) -> PolicyRun:
+    """A fresh fleet, the peer in front of it, the trace replayed through the peer; both stopped after.
+    ``native_pd``: in a P/D fleet, a peer with a vLLM P/D mode uses it (else every worker is plain)."""
+    tag = router.name.replace(":", "-")
+    with started_fleet(fleet, workdir, tag) as config:
+        port, metrics_port = free_port(), free_port()
+        argv = peer_argv(router, exe, config, port, metrics_port, pd=native_pd and fleet.roles != "both")
+        log = workdir / f"router-{tag}.log"
+        base = f"http://127.0.0.1:{port}"
+        with _process(argv, log) as proc:
+            n = len(config["workers"])
+            wait_until_ready(lambda: _peer_ready(router, base, n), proc, router.name, log)
+            model = config["models"][0]["name"]
+            report = asyncio.run(replay(trace, base, model=model, time_scale=fleet.time_scale, on_result=on_result))
+            time.sleep(0.5)
+            metrics = _scrape(f"http://127.0.0.1:{metrics_port}/metrics")
+        workers = {w["id"]: _scrape(w["url"].rstrip("/") + "/metrics") for w in config["workers"]}
+    return PolicyRun(router.name, report, metrics, workers)
+
+
+# -- regimes --------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Regime:
+    name: str
+    about: str
+    roles: str = "both"
+    kv_protocol: str = "none"
+    #: The fleet's GPU cache as a share of the trace's working set (None: the preset's cache).
+    cache_share: float | None = None
+    #: CPU-tier blocks per worker, as a multiple of its GPU blocks.
+    cpu_tier: float = 0.0
+    #: Multiplier of the trace's arrival rate.
+    rate: float = 1.0
+
+
+REGIMES = {
+    r.name: r
+    for r in (
+        Regime("light", "the preset's GPU cache (the working set fits), half the trace's arrival rate", rate=0.5),
+        Regime(
+            "pressure",
+            "GPU cache = the requests in flight + 1/4 of the working set, no CPU tier",
+            cache_share=0.25,
+        ),
+        Regime(
+            "tiered",
+            "the pressure regime's GPU cache + a CPU tier 4x its size, pool.kv_protocol p2p",
+            kv_protocol="p2p",
+            cache_share=0.25,
+            cpu_tier=4.0,
+        ),
+        Regime("pd", "prefill/decode roles (half each), NIXL pull, the preset's GPU cache", "prefill,decode", "nixl"),
+    )
+}
+
+
+def in_flight_blocks(trace: Trace, workers: int, preset_name: str) -> int:
+    """KV blocks the requests in flight hold on one worker, by Little's law: arrival rate x the unloaded
+    service time (prefill + decode) x the mean request's blocks, over the workers."""
+    preset = get_preset(preset_name)
+    sizes = workloads.request_sizes(trace)
+    if not sizes:
+        return 0
+    prompt = statistics.mean(p for p, _ in sizes)
+    answer = statistics.mean(a for _, a in sizes)
+    service = prompt / preset.prefill_tokens_per_s + answer * (preset.decode_base_s + 8 * preset.decode_per_seq_s)
+    # A session's later turns come after its earlier ones: the trace lasts until its last session ends.
+    session = statistics.mean(sum(st.delay_s for st in s.steps) + len(s.steps) * service for s in trace.sessions)
+    rate = len(sizes) / (trace.duration_hint_s + session)
+    return math.ceil(rate * service * (prompt + answer) / preset.block_size / workers)
+
+
+def fleet_for(regime: Regime, trace: Trace, args: argparse.Namespace) -> FleetSpec:
+    """The ``kvroute sim`` options of a regime, sized from the trace.
+
+    Under cache pressure a worker's GPU cache holds its share of the requests in flight (twice the
+    Little's-law estimate) plus ``cache_share`` of the trace's working set spread over the workers, so
+    the pressure is on what stays cached, not on how many requests can run; and always the largest
+    request twice over (the engine refuses a request larger than its cache)."""
+    preset = get_preset(args.preset)
+    gpu_blocks = cpu_blocks = None
+    if regime.cache_share is not None:
+        blocks, largest = workloads.working_set(trace, preset.block_size)
+        cached = math.ceil(regime.cache_share * blocks / args.workers)
+        gpu_blocks = max(2 * in_flight_blocks(trace, args.workers, args.preset) + cached, 2 * largest, 64)
+    if regime.cpu_tier:
+        cpu_blocks = math.ceil(regime.cpu_tier * (gpu_blocks or preset.gpu_blocks))
+    return FleetSpec(
+        workers=args.workers,
+        preset=args.preset,
+        time_scale=args.time_scale,
+        roles=regime.roles,
+        gpu_blocks=gpu_blocks,
+        cpu_blocks=cpu_blocks,
+    )
+
+
+# -- traces ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TraceSpec:
+    name: str
+    about: str
+    build: Callable[[int, argparse.Namespace], Trace]
+
+
+def _mooncake(seed: int, args: argparse.Namespace) -> Trace:
+    return workloads.mooncake_trace(
+        seed, requests=args.requests, speedup=args.mooncake_speedup, scale=0.125 * args.scale, sample="families"
+    )
+
+
+def _shared_prefix(rate: float) -> Callable[[int, argparse.Namespace], Trace]:
+    def build(seed: int, args: argparse.Namespace) -> Trace:
+        groups = args.groups or max(2, args.requests // 10)
+        return workloads.shared_prefix_trace(
+            seed,
+            requests=args.requests,
+            groups=groups,
+            rate=rate,
+            scale=0.125 * args.scale,
+            name=f"shared_prefix@{rate:g}",
+        )
+
+    return build
+
+
+def _agentic(seed: int, args: argparse.Namespace) -> Trace:
+    return workloads.agentic_trace(seed, sessions=max(2, round(args.requests / 8)), rate=0.5, scale=0.25 * args.scale)
+
+
+def _chat(seed: int, args: argparse.Namespace) -> Trace:
+    return workloads.chat_trace(seed, sessions=max(2, round(args.requests / 2.5)), rate=4.0, scale=0.5 * args.scale)
+
+
+def trace_specs(args: argparse.Namespace) -> dict[str, TraceSpec]:
+    specs = {
+        "mooncake": TraceSpec(
+            "mooncake",
+            f"Mooncake FAST'25 synthetic trace: whole prefix families sampled, 512-token blocks as "
+            f"{workloads.scaled(512, 0.125 * args.scale)} words, arrivals x{args.mooncake_speedup:g} the trace's rate",
+            _mooncake,
+        ),
+        "agentic": TraceSpec(
+            "agentic",
+            f"agent sessions of 4-12 turns growing by tool outputs (mean {workloads.scaled(1500, 0.25 * args.scale)} "
+            f"tokens), 3 shared system prompts of {workloads.scaled(4000, 0.25 * args.scale)} tokens, 0.5 sessions/s",
+            _agentic,
+        ),
+        "chat": TraceSpec(
+            "chat",
+            f"1-4 turn conversations behind 8 app system prompts of {workloads.scaled(300, 0.5 * args.scale)} "
+            f"tokens, answers ~{workloads.scaled(250, 0.5 * args.scale)} tokens, 4 conversations/s",
+            _chat,
+        ),
+    }
+    for rate in args.shared_prefix_rates:
+        name = f"shared_prefix@{rate:g}"
+        specs[name] = TraceSpec(
+            name,
+            f"llm-d shared-prefix shape: groups x ({workloads.scaled(6000, 0.125 * args.scale)}-token system prompt + "
+            f"{workloads.scaled(1200, 0.125 * args.scale)}-token question), Poisson {rate:g} req/s",
+            _shared_prefix(rate),
+        )
+    return specs
+
+
+def select_traces(names: Sequence[str], specs: dict[str, TraceSpec]) -> list[TraceSpec]:
+    """``shared_prefix`` stands for every rate of the sweep."""
+    out: list[TraceSpec] = []
+    for name in names:
+        if name == "shared_prefix":
+            out += [s for k, s in specs.items() if k.startswith("shared_prefix@")]
+        elif name in specs:
+            out.append(specs[name])
+        else:
+            raise SystemExit(f"unknown trace {name!r}; known: mooncake, shared_prefix, agentic, chat")
+    return out
+
+
+# -- figures --------------------------------------------------------------------------------------------------------
+
+
+def run_figures(run: PolicyRun, trace: Trace, fleet: FleetSpec, slo_ms: float) -> dict[str, Any]:
+    """``bench/routing.py``'s figures of one run, plus p90, e2e and the prefill the engines were spared."""
+    block = get_preset(fleet.preset).block_size
+    row = figures(run, trace, fleet.time_scale, slo_ms, block)
+    ok = [r for r in run.report.results if r.ok]
+    to_ms = 1000.0 / fleet.time_scale
+    ttft = [r.ttft_s * to_ms for r in ok if r.ttft_s is not None]
+    e2e = [r.e2e_s * to_ms for r in ok if r.e2e_s is not None]
+    per_worker = [_total(_samples(page), "vllm:prompt_tokens_total") for page in run.worker_metrics.values()]
+    computed = sum(per_worker)
+    served = row["gpu_hits_engine"] + row["cpu_hits_engine"] + row["remote_hits_engine"]
+    prompt = row["prompt_tokens"]
+    saved = prompt - (computed - served)
+    # bench/routing.py's oracle lets a request reuse what had its first token before the request was sent
+    # (the project's figure, comparable with docs/benchmarks.md); a request that queues is admitted later
+    # and can beat it. Every prefix sent before it, caches never evicting, bounds every router (results
+    # without TTFTs make oracle_cached use the send times).
+    oracle = oracle_cached(trace, run.report.results, block)
+    bound = oracle_cached(trace, [replace(r, ttft_s=None) for r in run.report.results], block)
+    row.update(
+        oracle_share=saved / oracle if oracle else 1.0,
+        bound_share=saved / bound if bound else 1.0,
+        busiest_worker_share=max(per_worker) / computed if computed else 0.0,
+        router=run.policy,
+        ttft_p90_ms=percentile(ttft, 90) or math.nan,
+        e2e_p50_ms=percentile(e2e, 50) or math.nan,
+        e2e_p99_ms=percentile(e2e, 99) or math.nan,
+        answered=len(ok),
+        prefill_saved_ratio=saved / prompt if prompt else 0.0,
+        duration_s=run.report.duration_s,
+    )
+    return row
+
+
+#: Aggregated per cell: median and spread over seeds.
+METRICS = (
+    "ttft_p50_ms",
+    "ttft_p90_ms",
+    "ttft_p99_ms",
+    "e2e_p50_ms",
+    "e2e_p99_ms",
+    "goodput",
+    "cached_token_ratio",
+    "prefill_saved_ratio",
+    "oracle_share",
+    "bound_share",
+    "busiest_worker_share",
+    "cached_tokens",
+    "prompt_tokens",
+    "requests",
+    "answered",
+    "errors",
+)
+#: Lower is better for these; higher for the rest of RATIOS.
+LOWER = {"ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "e2e_p50_ms"}
+RATIOS = ("ttft_p50_ms", "ttft_p99_ms", "goodput", "cached_token_ratio")
+
+
+def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    cell: dict[str, Any] = {"seeds": len(runs), "median": {}, "min": {}, "max": {}}
+    for key in METRICS:
+        values = [r[key] for r in runs if isinstance(r.get(key), (int, float)) and not math.isnan(r[key])]
+        if values:
+            cell["median"][key] = statistics.median(values)
+            cell["min"][key], cell["max"][key] = min(values), max(values)
+    return cell
+
+
+def add_ratios(cells: list[dict[str, Any]]) -> None:
+    """Each router's median against the best peer of the same (trace, regime), per metric; with no peer
+    in the run, against the best other router (named ``reference``)."""
+    by_case: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for c in cells:
+        by_case.setdefault((c["trace"], c["regime"]), []).append(c)
+    for group in by_case.values():
+        peers = [c for c in group if ROUTERS[c["router"]].kind != "kvroute"]
+        for c in group:
+            pool = peers or [o for o in group if o is not c]
+            c["reference"] = "best peer" if peers else "best other router"
+            c["ratios"] = {}
+            for key in RATIOS:
+                values = [o["median"][key] for o in pool if key in o["median"]]
+                mine = c["median"].get(key)
+                if not values or mine is None:
+                    continue
+                best = min(values) if key in LOWER else max(values)
+                c["ratios"][key] = mine / best if best else math.nan
+
+
+def _spread(cell: dict[str, Any], key: str, fmt: str) -> str:
+    med = cell["median"].get(key)
+    if med is None:
+        return "-"
+    if cell["seeds"] < 2:
+        return fmt.format(med)
+    return f"{fmt.format(med)} ({fmt.format(cell['min'][key])}-{fmt.format(cell['max'][key])})"
+
+
+def markdown(cells: list[dict[str, Any]], regime: Regime, native_pd: bool = True) -> str:
+    pd = regime.roles != "both"
+    head = ["trace", "router"] + (["P/D use"] if pd else [])
+    head += ["TTFT p50 ms", "TTFT p90 ms", "TTFT p99 ms", "e2e p50 ms", "goodput", "cached", "prefill saved"]
+    head += ["÷ oracle", "errors", "p50 / p99 vs ref"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for c in cells:
+        ratios = c.get("ratios", {})
+        vs = " / ".join(f"{ratios[k]:.2f}x" if k in ratios else "-" for k in ("ttft_p50_ms", "ttft_p99_ms"))
+        row = [c["trace"], c["router"]] + ([peer_mode(ROUTERS[c["router"]], native_pd)] if pd else [])
+        row += [
+            _spread(c, "ttft_p50_ms", "{:.0f}"),
+            _spread(c, "ttft_p90_ms", "{:.0f}"),
+            _spread(c, "ttft_p99_ms", "{:.0f}"),
+            _spread(c, "e2e_p50_ms", "{:.0f}"),
+            _spread(c, "goodput", "{:.0%}"),
+            _spread(c, "cached_token_ratio", "{:.0%}"),
+            _spread(c, "prefill_saved_ratio", "{:.0%}"),
+            _spread(c, "oracle_share", "{:.0%}"),
+            f"{c['median'].get('errors', 0):.0f}",
+            vs,
+        ]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def chart(cells: list[dict[str, Any]], regime: Regime, path: Path, title: str) -> Path | None:
+    """TTFT p50 and p99 per trace and router (medians, min-max bars). None without matplotlib."""
+    plt = pyplot()
+    if plt is None or not cells:
+        return None
+    traces = list(dict.fromkeys(c["trace"] for c in cells))
+    routers = list(dict.fromkeys(c["router"] for c in cells))
+    fig, axes = plt.subplots(1, 2, figsize=(max(9.0, 3.0 * len(traces)), 4.6))
+    width = 0.8 / len(routers)
+    for ax, key, label in zip(axes, ("ttft_p50_ms", "ttft_p99_ms"), ("TTFT p50", "TTFT p99"), strict=True):
+        for j, router in enumerate(routers):
+            xs, ys, lo, hi = [], [], [], []
+            for i, trace in enumerate(traces):
+                c = next((c for c in cells if c["trace"] == trace and c["router"] == router), None)
+                if c is None or key not in c["median"]:
+                    continue
+                xs.append(i + (j - (len(routers) - 1) / 2) * width)
+                ys.append(c["median"][key])
+                lo.append(c["median"][key] - c["min"][key])
+                hi.append(c["max"][key] - c["median"][key])
+            ax.bar(xs, ys, width=width, yerr=[lo, hi], capsize=2, label=router)
+        ax.set_xticks(range(len(traces)), traces, rotation=15)
+        ax.set_ylabel(f"{label} (ms, simulated hardware)")
+        ax.set_title(f"{label} (lower is better)")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# -- main -----------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Results:
+    path: Path
+    meta: dict[str, Any]
+    runs: list[dict[str, Any]] = field(default_factory=list)
+    cells: list[dict[str, Any]] = field(default_factory=list)
+
+    def save(self) -> None:
+        data = {**self.meta, "runs": self.runs, "cells": self.cells}
+        self.path.write_text(json.dumps(data, indent=1, default=str))
+
+
+def _csv(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--traces", help="mooncake,shared_prefix,agentic,chat (default all; --quick: mooncake,shared_prefix)"
+    )
+    ap.add_argument("--regimes", help=f"{','.join(REGIMES)} (default all)")
+    ap.add_argument("--routers", help=f"{','.join(ROUTERS)} (default all)")
+    ap.add_argument("--seeds", help="comma-separated seeds (default 0,1,2; --quick: 0)")
+    ap.add_argument("--requests", type=int, help="requests per trace, about (default 200; --quick: 40)")
+    ap.add_argument(
+        "--time-scale",
+        type=float,
+        help="real seconds per model second (default 1: the routers' own CPU time counts 1:1)",
+    )
+    ap.add_argument("--scale", type=float, default=1.0, help="multiplies every trace's token counts")
+    ap.add_argument("--work", default="out/peers", help="work folder: peer venvs, logs, results")
+    ap.add_argument("--quick", action="store_true", help="the smallest meaningful run (a few minutes)")
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--preset", default="qwen-32b-h100x2")
+    ap.add_argument("--slo-ms", type=float, default=1000.0, help="TTFT SLO for goodput (simulated ms)")
+    ap.add_argument("--mooncake-speedup", type=float, default=3.0, help="x the Mooncake trace's 3.9 req/s")
+    ap.add_argument("--shared-prefix-rates", default="16", help="req/s of the shared-prefix trace; a list sweeps")
+    ap.add_argument("--groups", type=int, default=0, help="shared-prefix groups (default requests / 10)")
+    ap.add_argument("--retries", type=int, default=1, help="more tries for a run that fails (default 1)")
+    ap.add_argument(
+        "--no-peer-pd",
+        dest="peer_pd",
+        action="store_false",
+        help="in the P/D regime, give vllm-router plain workers too instead of its vLLM P/D mode",
+    )
+    args = ap.parse_args(argv)
+    args.traces = _csv(
+        args.traces or ("mooncake,shared_prefix" if args.quick else "mooncake,shared_prefix,agentic,chat")
+    )
+    args.regimes = _csv(args.regimes or ",".join(REGIMES))
+    args.routers = _csv(args.routers or ",".join(ROUTERS))
+    args.seeds = [int(s) for s in _csv(args.seeds or ("0" if args.quick else "0,1,2"))]
+    args.requests = args.requests or (40 if args.quick else 200)
+    args.time_scale = args.time_scale or 1.0
+    args.shared_prefix_rates = [float(r) for r in _csv(args.shared_prefix_rates)]
+    for name, known in (("regime", REGIMES), ("router", ROUTERS)):
+        for value in getattr(args, name + "s"):
+            if value not in known:
+                raise SystemExit(f"unknown {name} {value!r}; known: {', '.join(known)}")
+    return args
+
+
+def run_one(
+    router: Router,
+    trace: Trace,
+    fleet: FleetSpec,
+    regime: Regime,
+    args: argparse.Namespace,
+    exes: dict[str, Path],
+    workdir: Path,
+    label: str,
+) -> dict[str, Any]:
+    """One router on a fresh fleet: its figures, or ``failed`` after ``--retries`` more tries (a router
+    that does not start is retried, so one bad start does not leave a hole in a long run)."""
+    error = ""
+    for attempt in range(1 + args.retries):
+        progress = Progress(label, trace.n_requests)
+        try:
+            if router.kind == "kvroute":
+                config = {"pool": {"kv_protocol": regime.kv_protocol}}
+                run = run_policy(router.policy, trace, fleet, workdir=workdir, router_config=config, on_result=progress)
+            else:
+                exe = exes[router.kind]
+                run = run_peer(router, exe, trace, fleet, workdir=workdir, on_result=progress, native_pd=args.peer_pd)
+            progress.finish()
+            return {**run_figures(run, trace, fleet, args.slo_ms), "attempts": attempt + 1}
+        except Exception as exc:  # one router failing must not lose the rest of a long run
+            progress.finish()
+            error = f"{type(exc).__name__}: {exc}"[:3000]
+            print(f"  {router.name} failed (try {attempt + 1}): {error[:300]}", file=sys.stderr)
+            time.sleep(3)
+    return {"failed": error}
+
+
+def summarize(results: Results, specs: list[TraceSpec], regimes: list[Regime], routers: list[Router]) -> None:
+    """Cells: every (trace, regime, router) with at least one run that did not fail."""
+    results.cells = []
+    for s in specs:
+        for g in regimes:
+            for r in routers:
+                key = (s.name, g.name, r.name)
+                runs = [x for x in results.runs if (x["trace"], x["regime"], x["router"]) == key and "failed" not in x]
+                if runs:
+                    results.cells.append({"trace": s.name, "regime": g.name, "router": r.name, **aggregate(runs)})
+    add_ratios(results.cells)
+
+
+def report(results: Results, specs: list[TraceSpec], regimes: list[Regime], args: argparse.Namespace) -> str:
+    """The markdown report (one table and one chart per regime); charts are written next to it."""
+    setting = results.meta["setting"]
+    md = [f"# kvroute vs peers: {setting}, seeds {','.join(map(str, args.seeds))}", ""]
+    md += [f"- `{s.name}`: {s.about}" for s in specs]
+    md += ["", "Medians over seeds (min-max); ratios against the best peer of each trace, per metric.", ""]
+    for regime in regimes:
+        cells = [c for c in results.cells if c["regime"] == regime.name]
+        md += [f"## {regime.name}: {regime.about}", "", markdown(cells, regime, args.peer_pd), ""]
+        png = chart(
+            cells, regime, Path(args.work) / f"peers-{regime.name}.png", f"{regime.name}: {regime.about}\n{setting}"
+        )
+        if png:
+            md += [f"![{regime.name}]({png.name})", ""]
+    failed = [r for r in results.runs if "failed" in r]
+    if failed:
+        md += ["Failed runs:", ""]
+        md += [f"- {r['trace']} / {r['regime']} / {r['seed']} / {r['router']}: {r['failed'][:200]}" for r in failed]
+    return "\n".join(md) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    logs = Path(tempfile.mkdtemp(prefix="runs-", dir=work))
+    routers = [ROUTERS[name] for name in args.routers]
+    exes = {kind: ensure_peer(PEERS[kind], work) for kind in dict.fromkeys(r.kind for r in routers) if kind in PEERS}
+    specs = select_traces(args.traces, trace_specs(args))
+    regimes = [REGIMES[name] for name in args.regimes]
+    setting = f"{args.workers} x {args.preset}, time scale {args.time_scale}, SLO {args.slo_ms:.0f} ms"
+    meta = {
+        "command": " ".join(sys.argv),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "setting": setting,
+        "traces": {s.name: s.about for s in specs},
+        "regimes": {r.name: asdict(r) for r in regimes},
+        "routers": [asdict(r) for r in routers],
+        "peers": {k: PEERS[k].requirement for k in exes},
+        "seeds": args.seeds,
+        "logs": str(logs),
+    }
+    results = Results(work / "peers.json", meta)
+    total = len(specs) * len(regimes) * len(args.seeds) * len(routers)
+    began = time.monotonic()
+    sizes = f"{len(specs)} traces x {len(regimes)} regimes x {len(args.seeds)} seed(s) x {len(routers)} routers"
+    print(f"{total} runs: {sizes}\n{setting}; logs in {logs}", flush=True)
+    for spec in specs:
+        for regime in regimes:
+            for k, seed in enumerate(args.seeds):
+                trace = workloads.with_rate(spec.build(seed, args), regime.rate)
+                fleet = fleet_for(regime, trace, args)
+                print(
+                    f"\n{spec.name} / {regime.name} / seed {seed}: {len(trace.sessions)} sessions, "
+                    f"{trace.n_requests} requests, GPU blocks {fleet.gpu_blocks or 'preset'}, "
+                    f"CPU blocks {fleet.cpu_blocks or 0}, roles {fleet.roles}",
+                    flush=True,
+                )
+                workdir = logs / f"{spec.name}-{regime.name}-{seed}"
+                workdir.mkdir(parents=True, exist_ok=True)
+                for router in routers[k % len(routers) :] + routers[: k % len(routers)]:  # rotated per seed
+                    entry: dict[str, Any] = {"trace": spec.name, "regime": regime.name, "seed": seed}
+                    entry["router"] = router.name
+                    entry.update(fleet=asdict(fleet), elapsed_s=time.monotonic() - began)
+                    label = f"{len(results.runs) + 1}/{total} {router.name}"
+                    entry.update(run_one(router, trace, fleet, regime, args, exes, workdir, label))
+                    results.runs.append(entry)
+                    results.save()
+    summarize(results, specs, regimes, routers)
+    results.save()
+    text = report(results, specs, regimes, args)
+    (work / "peers.md").write_text(text)
+    print("\n" + text)
+    print(f"results: {work / 'peers.json'}, {work / 'peers.md'}; total {time.monotonic() - began:.0f} s")
+    return 1 if any("failed" in r for r in results.runs) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
