@@ -828,9 +828,24 @@ class OpenAIHandlers:
         return error_response(503, "The engine is not healthy.", "ServiceUnavailableError")
 
     async def kv_event_sources(self, request: Request) -> Response:
-        """vLLM >= 0.32's discovery route: ``{"sources": [...]}``, one entry per DP rank, sorted by rank."""
+        """vLLM 0.32/0.33's discovery route as released (``serve/instrumentator/basic.py``): the engine client's
+        ``dict[int, KVEventsConfig]``, JSON-encoded as rank -> the rank's resolved publisher config."""
         sources = sorted(self.worker.kv_event_sources(), key=lambda s: s["data_parallel_rank"])
-        return _json({"sources": sources})
+        return _json(
+            {
+                str(s["data_parallel_rank"]): {
+                    "enable_kv_cache_events": True,
+                    "publisher": "zmq",
+                    "endpoint": s["endpoint"],
+                    "replay_endpoint": s["replay_endpoint"],
+                    "buffer_steps": 10_000,
+                    "hwm": 100_000,
+                    "max_queue_size": 100_000,
+                    "topic": s["topic"],
+                }
+                for s in sources
+            }
+        )
 
     async def tokenize(self, request: Request) -> Response:
         worker = self.worker

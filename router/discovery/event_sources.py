@@ -6,7 +6,10 @@ ephemeral port per rank, read back after the bind), the replay endpoint (or null
     {"sources": [{"data_parallel_rank": 0, "endpoint": "tcp://10.0.0.5:41001",
                   "replay_endpoint": "tcp://10.0.0.5:41003", "topic": "kv-events"}, ...]}
 
-vLLM's history has both that envelope and a bare JSON array of the same entries; both are accepted.
+Released vLLM (0.32, 0.33, the CPU build this project tests against) answers a map of rank to its publisher
+config instead, ``{"0": {"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": ..., ...}}``;
+vLLM's history also has the ``sources`` envelope above and a bare JSON array of the same entries. All
+three are accepted.
 Entries come sorted by rank; unknown keys are ignored. A wildcard host (``*``, ``0.0.0.0``, ``::``) means
 "the worker's own address" and is replaced by the host of the worker's URL.
 
@@ -142,6 +145,24 @@ def _endpoint(raw: object, what: str, worker_host: str, allowed: Collection[str]
     return f"tcp://{_netloc(host, port)}"
 
 
+def _from_rank_map(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """Released vLLM (0.32, 0.33) answers ``{"<rank>": KVEventsConfig}``: each rank's publisher config
+    (``enable_kv_cache_events``, ``publisher``, ``endpoint``, ``replay_endpoint``, ``topic``, buffer sizes);
+    ``{}`` when no rank publishes. As entries of the list form, ranks whose publisher is off left out."""
+    if len(data) > MAX_RANKS:
+        raise _Rejected(f"{len(data)} sources, more than {MAX_RANKS} ranks")
+    entries = []
+    for key, config in data.items():
+        if not (isinstance(key, str) and key.isdigit() and len(key) <= 4):
+            raise _Rejected(f"the answer is an object whose key {key[:20]!r} is neither 'sources' nor a rank")
+        if not isinstance(config, dict):
+            raise _Rejected(f"rank {key}'s config is not an object")
+        if config.get("enable_kv_cache_events") is False or config.get("publisher", "zmq") != "zmq":
+            continue
+        entries.append({**config, "data_parallel_rank": int(key)})
+    return entries
+
+
 def parse_event_sources(body: bytes, worker_host: str, allowed_hosts: Collection[str] = ()) -> list[EventSource]:
     """Validate an answer of ``/kv_event_sources``; raises ``ValueError`` with the first problem found.
 
@@ -153,9 +174,9 @@ def parse_event_sources(body: bytes, worker_host: str, allowed_hosts: Collection
         data: Any = orjson.loads(body)
     except orjson.JSONDecodeError:
         raise _Rejected("the answer is not JSON") from None
-    if isinstance(data, dict):
-        if "sources" not in data:
-            raise _Rejected(f"the answer is an object without 'sources' (keys: {sorted(map(str, data))[:8]})")
+    if isinstance(data, dict) and "sources" not in data:
+        data = _from_rank_map(data)
+    elif isinstance(data, dict):
         data = data["sources"]
     if not isinstance(data, list):
         raise _Rejected(f"'sources' is not a list: {type(data).__name__}")

@@ -92,7 +92,7 @@ def _entry(**over: Any) -> dict[str, Any]:
 HOSTILE: list[tuple[str, Any, str]] = [
     ("not json", b"<html>hello</html>", "not JSON"),
     ("a string", "tcp://*:5557", "not a list"),
-    ("object without sources", {"endpoints": []}, "without 'sources'"),
+    ("object without sources", {"endpoints": []}, "neither 'sources' nor a rank"),
     ("sources not a list", {"sources": {"0": "tcp://*:1"}}, "not a list"),
     ("entry not an object", {"sources": ["tcp://*:5557"]}, "not an object"),
     ("rank missing", {"sources": [_entry(data_parallel_rank=None)]}, "not a rank"),

@@ -14,6 +14,8 @@ import yaml
 from kvroute.apps.sim import _fleet_kwargs, add_parser
 from kvroute.config import RouterConfig
 
+from tests.sim.conftest import event_sources
+
 
 def _parse(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
@@ -68,7 +70,7 @@ def test_a_dp_fleet_with_admission_and_render(tmp_path: Path) -> None:
         config = RouterConfig.model_validate(yaml.safe_load(out.read_text()))
         worker = config.workers[0]
         assert worker.dp_size == 2
-        sources = httpx.get(f"{worker.url}/kv_event_sources", timeout=10).json()["sources"]
+        sources = event_sources(httpx.get(f"{worker.url}/kv_event_sources", timeout=10).json())
         assert [s["data_parallel_rank"] for s in sources] == [0, 1] and sources[0]["endpoint"] == worker.kv_events
         assert httpx.post(f"{worker.url}/v1/completions", json={"prompt": "a"}, timeout=10).status_code == 503
         r = httpx.post(f"{worker.url}/v1/completions/render", json={"prompt": "a b"}, timeout=10)

@@ -16,7 +16,7 @@ from kvroute.indexer.events import REPLAY_END_SEQ, AllBlocksCleared, BlockStored
 from kvroute.sim.fleet import worker_ports
 
 from tests.conftest import free_port
-from tests.sim.conftest import words
+from tests.sim.conftest import event_sources, words
 from tests.sim.test_transfers import cached, complete, metric, sent_bytes
 
 RANK = "X-data-parallel-rank"
@@ -49,7 +49,7 @@ async def post(client: Any, url: str, body: dict[str, Any], rank: int | str | No
 async def test_each_rank_has_its_own_cache_publisher_and_sequence(make_fleet: Any, client: Any) -> None:
     fleet = await make_fleet(1, dp_size=2, topic="kv")
     w = fleet[0]
-    sources = (await client.get(f"{w.url}/kv_event_sources")).json()["sources"]
+    sources = event_sources((await client.get(f"{w.url}/kv_event_sources")).json())
     assert [s["data_parallel_rank"] for s in sources] == [0, 1]
     ports = [int(s["endpoint"].rsplit(":", 1)[1]) for s in sources]
     replays = [int(s["replay_endpoint"].rsplit(":", 1)[1]) for s in sources]

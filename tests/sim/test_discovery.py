@@ -12,19 +12,13 @@ from kvroute.indexer.events import REPLAY_END_SEQ, BlockStored, decode_batch
 from kvroute.sim.tokenizer import tokenize
 
 from tests.conftest import free_port
-from tests.sim.conftest import words
+from tests.sim.conftest import event_sources, words
 
 
 async def _sources(client: Any, url: str) -> list[dict[str, Any]]:
     r = await client.get(f"{url}/kv_event_sources")
     assert r.status_code == 200 and r.headers["content-type"].startswith("application/json")
-    body = r.json()
-    assert set(body) == {"sources"}  # vLLM's envelope, nothing else
-    sources = body["sources"]
-    assert isinstance(sources, list)
-    for source in sources:  # exactly vLLM's fields per DP rank
-        assert set(source) == {"data_parallel_rank", "endpoint", "replay_endpoint", "topic"}
-    return sources
+    return event_sources(r.json())  # exactly vLLM's KVEventsConfig fields per DP rank
 
 
 def _sub(endpoint: str, topic: str, *, bind: bool = False) -> zmq.asyncio.Socket:
@@ -89,9 +83,9 @@ async def test_explicit_ports_topic_and_no_replay(make_fleet: Any, client: Any) 
     port = free_port()
     fleet = await make_fleet(1, events_port=port, topic="kv-events", replay=False)
     worker = fleet[0]
-    assert await _sources(client, worker.url) == [
-        {"data_parallel_rank": 0, "endpoint": f"tcp://127.0.0.1:{port}", "replay_endpoint": None, "topic": "kv-events"}
-    ]
+    (source,) = await _sources(client, worker.url)
+    assert source["data_parallel_rank"] == 0 and source["endpoint"] == f"tcp://127.0.0.1:{port}"
+    assert source["replay_endpoint"] is None and source["topic"] == "kv-events"
     sub = _sub(f"tcp://127.0.0.1:{port}", "kv-events")
     topic, _seq, _payload = await _stored_until(sub, worker.url, client, "topic")
     assert topic == b"kv-events"
