@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import math
 import statistics
@@ -46,30 +45,30 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import httpx
 import workloads
-import yaml
 from kvroute.experiment import (
     FleetSpec,
     PolicyRun,
     Progress,
-    _process,
-    _scrape,
     answers_ok,
+    fleet_process,
     free_port,
+    process,
     run_policy,
+    scrape,
     wait_until_ready,
 )
 from kvroute.report import pyplot
 from kvroute.sim.presets import get_preset
 from kvroute.sim.replay import percentile, replay
 from kvroute.sim.traces import Trace
-from routing import _samples, _total, figures, oracle_cached
+from routing import figures, metric_samples, metric_total, oracle_cached
 
 # -- routers ------------------------------------------------------------------------------------------------------
 
@@ -171,20 +170,6 @@ def _peer_ready(router: Router, base: str, n_workers: int) -> bool:
     return len(listed) >= n_workers and all(w.get("is_healthy", True) for w in listed)
 
 
-@contextlib.contextmanager
-def started_fleet(fleet: FleetSpec, workdir: Path, name: str) -> Iterator[dict[str, Any]]:
-    """``kvroute sim`` running with ``fleet``; yields its ``kvroute serve`` config (the workers' URLs).
-
-    The fleet half of ``kvroute.experiment.run_policy``, which starts its own router in one piece."""
-    fleet_yaml = workdir / f"fleet-{name}.yaml"
-    fleet_log = workdir / f"fleet-{name}.log"
-    fleet_yaml.unlink(missing_ok=True)
-    with _process(fleet.argv(fleet_yaml), fleet_log) as sim:
-        wait_until_ready(lambda: fleet_yaml.exists() and fleet_yaml.stat().st_size > 0, sim, "kvroute sim", fleet_log)
-        time.sleep(0.2)
-        yield yaml.safe_load(fleet_yaml.read_text())
-
-
 def run_peer(
     router: Router,
     exe: Path,
@@ -198,19 +183,19 @@ def run_peer(
     """A fresh fleet, the peer in front of it, the trace replayed through the peer; both stopped after.
     ``native_pd``: in a P/D fleet, a peer with a vLLM P/D mode uses it (else every worker is plain)."""
     tag = router.name.replace(":", "-")
-    with started_fleet(fleet, workdir, tag) as config:
+    with fleet_process(fleet, workdir, tag) as config:
         port, metrics_port = free_port(), free_port()
         argv = peer_argv(router, exe, config, port, metrics_port, pd=native_pd and fleet.roles != "both")
         log = workdir / f"router-{tag}.log"
         base = f"http://127.0.0.1:{port}"
-        with _process(argv, log) as proc:
+        with process(argv, log) as proc:
             n = len(config["workers"])
             wait_until_ready(lambda: _peer_ready(router, base, n), proc, router.name, log)
             model = config["models"][0]["name"]
             report = asyncio.run(replay(trace, base, model=model, time_scale=fleet.time_scale, on_result=on_result))
             time.sleep(0.5)
-            metrics = _scrape(f"http://127.0.0.1:{metrics_port}/metrics")
-        workers = {w["id"]: _scrape(w["url"].rstrip("/") + "/metrics") for w in config["workers"]}
+            metrics = scrape(f"http://127.0.0.1:{metrics_port}/metrics")
+        workers = {w["id"]: scrape(w["url"].rstrip("/") + "/metrics") for w in config["workers"]}
     return PolicyRun(router.name, report, metrics, workers)
 
 
@@ -388,7 +373,9 @@ def run_figures(run: PolicyRun, trace: Trace, fleet: FleetSpec, slo_ms: float) -
     to_ms = 1000.0 / fleet.time_scale
     ttft = [r.ttft_s * to_ms for r in ok if r.ttft_s is not None]
     e2e = [r.e2e_s * to_ms for r in ok if r.e2e_s is not None]
-    per_worker = [_total(_samples(page), "vllm:prompt_tokens_total") for page in run.worker_metrics.values()]
+    per_worker = [
+        metric_total(metric_samples(page), "vllm:prompt_tokens_total") for page in run.worker_metrics.values()
+    ]
     computed = sum(per_worker)
     served = row["gpu_hits_engine"] + row["cpu_hits_engine"] + row["remote_hits_engine"]
     prompt = row["prompt_tokens"]

@@ -101,7 +101,7 @@ def oracle_cached(trace: Trace, results: Sequence[RequestResult], block: int = B
 # -- one run's figures -----------------------------------------------------------------------------
 
 
-def _samples(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+def metric_samples(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
     out: dict[str, list[tuple[dict[str, str], float]]] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
@@ -109,7 +109,7 @@ def _samples(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
     return out
 
 
-def _total(samples: dict[str, list[tuple[dict[str, str], float]]], name: str) -> float:
+def metric_total(samples: dict[str, list[tuple[dict[str, str], float]]], name: str) -> float:
     return sum(v for _, v in samples.get(name, []))
 
 
@@ -117,9 +117,9 @@ def _engine_totals(pages: dict[str, str], block: int) -> dict[str, float]:
     """What the engines report they served per tier and moved, summed over the fleet's /metrics pages."""
     gpu = cpu = remote = moved = 0.0
     for text in pages.values():
-        m = _samples(text)
-        gpu += _total(m, "vllm:prefix_cache_hits_total")
-        cpu += _total(m, "kvroute_sim:cpu_promoted_blocks_total") * block
+        m = metric_samples(text)
+        gpu += metric_total(m, "vllm:prefix_cache_hits_total")
+        cpu += metric_total(m, "kvroute_sim:cpu_promoted_blocks_total") * block
         received = [
             (labels, v)
             for labels, v in m.get("kvroute_sim:kv_transfer_blocks_total", [])
@@ -144,7 +144,7 @@ def figures(run: PolicyRun, trace: Trace, time_scale: float, slo_ms: float, bloc
     prompt = sum(r.prompt_tokens for r in ok)
     cached = sum(r.cached_tokens for r in ok)
     oracle = oracle_cached(trace, results, block)
-    m = _samples(run.router_metrics)
+    m = metric_samples(run.router_metrics)
     tiers = {labels.get("tier", "?"): v for labels, v in m.get("kvroute_predicted_hit_tokens_total", [])}
     return {
         "policy": run.policy,
@@ -158,10 +158,10 @@ def figures(run: PolicyRun, trace: Trace, time_scale: float, slo_ms: float, bloc
         "gpu_hits": tiers.get("GPU", 0.0),
         "cpu_hits": tiers.get("CPU", 0.0),
         "remote_hits": tiers.get("REMOTE", 0.0),
-        "gb_moved": _total(m, "kvroute_estimated_kv_bytes_moved_total") / 1e9,
+        "gb_moved": metric_total(m, "kvroute_estimated_kv_bytes_moved_total") / 1e9,
         **_engine_totals(run.worker_metrics, block),
-        "stale": _total(m, "kvroute_stale_decisions_total"),
-        "checked": _total(m, "kvroute_checked_decisions_total"),
+        "stale": metric_total(m, "kvroute_stale_decisions_total"),
+        "checked": metric_total(m, "kvroute_checked_decisions_total"),
         "prompt_tokens": prompt,
         "cached_tokens": cached,
         "recomputed": prompt - cached,

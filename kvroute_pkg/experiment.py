@@ -96,7 +96,7 @@ def stop_process(proc: subprocess.Popen[bytes]) -> None:
 
 
 @contextlib.contextmanager
-def _process(argv: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
+def process(argv: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
     with log.open("wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ})
         try:
@@ -127,6 +127,17 @@ def answers_ok(url: str) -> bool:
         return False
 
 
+@contextlib.contextmanager
+def fleet_process(fleet: FleetSpec, workdir: Path, name: str) -> Iterator[dict[str, Any]]:
+    """A ``kvroute sim`` fleet as a subprocess; yields the ``kvroute serve`` config it wrote for itself."""
+    fleet_yaml, fleet_log = workdir / f"fleet-{name}.yaml", workdir / f"fleet-{name}.log"
+    fleet_yaml.unlink(missing_ok=True)  # its appearance is the fleet's "ready" signal
+    with process(fleet.argv(fleet_yaml), fleet_log) as sim:
+        wait_until_ready(lambda: fleet_yaml.exists() and fleet_yaml.stat().st_size > 0, sim, "kvroute sim", fleet_log)
+        time.sleep(0.2)  # the file is written in one call; give the workers' sockets a moment
+        yield yaml.safe_load(fleet_yaml.read_text())
+
+
 def run_policy(
     policy: str,
     trace: Trace,
@@ -143,14 +154,8 @@ def run_policy(
     ``router_log_level="debug"`` writes every routing decision to the router's log in ``workdir``."""
     workdir = Path(workdir or tempfile.mkdtemp(prefix="kvroute-run-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    fleet_yaml = workdir / f"fleet-{policy}.yaml"
-    fleet_log = workdir / f"fleet-{policy}.log"
     router_log = workdir / f"router-{policy}.log"
-    fleet_yaml.unlink(missing_ok=True)  # its appearance is the fleet's "ready" signal
-    with _process(fleet.argv(fleet_yaml), fleet_log) as sim:
-        wait_until_ready(lambda: fleet_yaml.exists() and fleet_yaml.stat().st_size > 0, sim, "kvroute sim", fleet_log)
-        time.sleep(0.2)  # the file is written in one call; give the workers' sockets a moment
-        config = yaml.safe_load(fleet_yaml.read_text())
+    with fleet_process(fleet, workdir, policy) as config:
         merge_sections(config, router_config or {})
         config["policy"] = policy
         if policy_options:
@@ -170,19 +175,19 @@ def run_policy(
             router_log_level,
         ]
         base = f"http://127.0.0.1:{port}"
-        with _process(serve, router_log) as router:
+        with process(serve, router_log) as router:
             wait_until_ready(lambda: answers_ok(base + "/ready"), router, "kvroute serve", router_log)
             model = config["models"][0]["name"] if config.get("models") else None
             report = asyncio.run(replay(trace, base, model=model, time_scale=fleet.time_scale, on_result=on_result))
             time.sleep(0.5)  # the router records a request's outcome just after its client saw the end
-            metrics = _scrape(base + "/metrics")
+            metrics = scrape(base + "/metrics")
         workers = {
-            w.get("id") or w["url"]: _scrape(w["url"].rstrip("/") + "/metrics") for w in config.get("workers", [])
+            w.get("id") or w["url"]: scrape(w["url"].rstrip("/") + "/metrics") for w in config.get("workers", [])
         }
     return PolicyRun(policy, report, metrics, workers)
 
 
-def _scrape(url: str) -> str:
+def scrape(url: str) -> str:
     """A ``/metrics`` page, or "" when it cannot be read (a run's figures then show zeros, not a crash)."""
     try:
         return httpx.get(url, timeout=5.0).text

@@ -139,7 +139,7 @@ async def _session(
     conversation_field: str | None,
 ) -> None:
     await asyncio.sleep(max(0.0, start + session.start_s * time_scale - time.perf_counter()))
-    messages: list[dict[str, str]] = [{"role": "system", "content": session.system}]
+    messages: list[dict[str, str]] = [{"role": "system", "content": session.system}] if session.system else []
     for turn, step in enumerate(session.steps):
         if step.delay_s:
             await asyncio.sleep(step.delay_s * time_scale)
