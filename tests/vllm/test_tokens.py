@@ -116,7 +116,7 @@ async def test_router_tokenizer_matches_engine(
     from kvroute.router.tokens import LocalTokenizer, RemoteTokenizer
 
     tokenizer: LocalTokenizer | RemoteTokenizer = (
-        LocalTokenizer(tiny_model) if source == "local" else RemoteTokenizer(http, worker_a.url, "tiny")
+        LocalTokenizer(tiny_model) if source == "local" else RemoteTokenizer(http, lambda: [worker_a.url], "tiny")
     )
     for prompt in [*AWKWARD[:4], prompt_words(rng, 120)]:
         assert await tokenizer.prompt_tokens(prompt) == await engine_tokens(http, worker_a, prompt=prompt)
