@@ -9,7 +9,7 @@ sit in each tier. Backends are behaviourally identical; one shared test suite pr
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -58,6 +58,9 @@ class IndexBackend(ABC):
     """Where block locations are kept. All methods are coroutines so Redis and memory share a shape."""
 
     name: str = "abstract"
+    #: Called with the number of blocks a bounded backend forgot to stay within its capacity (the indexer
+    #: counts them in ``kvroute_index_evicted_blocks_total``); None until someone listens.
+    on_evict: Callable[[int], None] | None = None
 
     @abstractmethod
     async def apply(self, model: str, worker_id: str, ops: Sequence[IndexOp]) -> None:

@@ -26,6 +26,39 @@ def add_bits(table: dict[int, int], keys: list[int], bit: int) -> None:
         table[key] = old | bit
 
 
+def add_bits_counted(table: dict[int, int], keys: list[int], bit: int) -> int:
+    """:func:`add_bits`, returning how many keys did not have ``bit`` before (for maintained counters)."""
+    get = table.get
+    if len(keys) == 1:
+        key = keys[0]
+        old = get(key, 0)
+        table[key] = old | bit
+        return 0 if old & bit else 1
+    common = table.keys() & keys
+    before = len(table)
+    if not common:
+        table.update(dict.fromkeys(keys, bit))
+        return len(table) - before
+    olds = {key: get(key, 0) for key in common}
+    table.update(dict.fromkeys(keys, bit))
+    new = len(table) - before
+    for key, old in olds.items():
+        table[key] = old | bit
+        if not old & bit:
+            new += 1
+    return new
+
+
+def named_counts(counts: dict[int, int]) -> dict[str, int]:
+    """Maintained per-tier-bit counters as :func:`tier_counts` names them (zeros left out)."""
+    out: dict[str, int] = {}
+    for tier in Tier:
+        n = counts.get(int(tier), 0)
+        if n:
+            out[tier.name or str(int(tier))] = n
+    return out
+
+
 def classify(bits: int) -> tuple[int, bool]:
     """(0 GPU / 1 CPU / 2 STORAGE: the fastest medium, remote-only?) for one worker's tier bits."""
     merged = bits | (bits >> 3)

@@ -147,8 +147,8 @@ class Registry:
         ent = self.entities.get(eid)
         if ent is None:
             worker = self.workers.get(worker_id)
-            if worker is None:
-                return None
+            if worker is None or rank >= worker.dp_size:
+                return None  # not registered, or a rank the worker does not have (hostile input)
             model = self.model_info(worker.model)
             ent = self.entities[eid] = Entity(eid, worker_id, rank, model, self.metrics.entity(eid))
         return ent

@@ -39,6 +39,8 @@ REPLAY_END_SEQ = b"\xff" * 8
 #: Hostile-input bounds: a batch or block list larger than this is refused as malformed.
 MAX_EVENTS_PER_BATCH = 100_000
 MAX_BLOCKS_PER_EVENT = 1_000_000
+#: Deepest nesting accepted inside ``extra_keys`` (vLLM's are a list per block of names or tuples of hashes).
+MAX_EXTRA_KEYS_DEPTH = 6
 
 
 class EventDecodeError(ValueError):
@@ -130,6 +132,17 @@ def _int_or(value: object, default: int, what: str) -> int:
     return value
 
 
+def extra_keys_too_deep(value: object, depth: int = MAX_EXTRA_KEYS_DEPTH) -> bool:
+    """True when ``value`` nests lists/tuples/maps deeper than ``depth`` (bounded work: stops there)."""
+    if isinstance(value, list | tuple):
+        return depth <= 0 or any(extra_keys_too_deep(v, depth - 1) for v in value if isinstance(v, list | tuple | dict))
+    if isinstance(value, dict):
+        return depth <= 0 or any(
+            extra_keys_too_deep(v, depth - 1) for v in value.values() if isinstance(v, list | tuple | dict)
+        )
+    return False
+
+
 def _stored(fields: dict[str, object]) -> BlockStored:
     hashes = _check_hashes(fields.get("block_hashes"))
     raw_parent = fields.get("parent_block_hash")
@@ -145,6 +158,8 @@ def _stored(fields: dict[str, object]) -> BlockStored:
     extra = fields.get("extra_keys")
     if extra is not None and not isinstance(extra, list):
         raise EventDecodeError("bad_field", "extra_keys must be a list")
+    if extra is not None and extra_keys_too_deep(extra):
+        raise EventDecodeError("malformed", "extra_keys nested too deep")
     lora_name = fields.get("lora_name")
     if lora_name is not None and not isinstance(lora_name, str):
         raise EventDecodeError("bad_field", "lora_name must be a string")
@@ -196,6 +211,9 @@ def decode_batch(payload: bytes) -> EventBatch:
     """Decode one payload frame. Raises :class:`EventDecodeError` on anything malformed."""
     try:
         raw = _decoder.decode(payload)
+    except RecursionError:
+        # msgspec bounds nesting by the interpreter's recursion limit: a hostile payload, not a bug.
+        raise EventDecodeError("malformed", "msgpack nested too deep") from None
     except (msgspec.DecodeError, ValueError) as exc:
         raise EventDecodeError("not_msgpack", str(exc)[:200]) from None
     if not isinstance(raw, list) or len(raw) < 2:

@@ -19,8 +19,10 @@ from kvroute.indexer.events import (
     BlockRemoved,
     BlockStored,
     EventBatch,
+    EventDecodeError,
     KVEvent,
     decode_batch,
+    extra_keys_too_deep,
 )
 
 _Hash = int | bytes
@@ -93,6 +95,8 @@ def _convert(raw: _TypedEvent) -> KVEvent | None:
             return None
         if size and tokens and len(tokens) > len(hashes) * size:
             return None
+        if raw.extra_keys is not None and extra_keys_too_deep(raw.extra_keys):
+            return None
         return BlockStored(
             block_hashes=hashes,
             parent_block_hash=raw.parent_block_hash,
@@ -124,6 +128,8 @@ def decode_batch_fast(payload: bytes) -> EventBatch:
             ts, raw_events, dp_rank = decoder.decode(payload)
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError):
             continue
+        except RecursionError:  # nested past the interpreter's limit: hostile, never an internal error
+            raise EventDecodeError("malformed", "msgpack nested too deep") from None
         if len(raw_events) > MAX_EVENTS_PER_BATCH or (dp_rank is not None and not 0 <= dp_rank < 4096):
             break
         events = []

@@ -20,6 +20,7 @@ from kvroute.indexer.ingest import translate
 from kvroute.indexer.metrics import IndexerMetrics
 from kvroute.indexer.mirror import BackendMirror
 from kvroute.indexer.sequencing import APPLY, GapPolicy, Handled
+from kvroute.logs import RateLimitedLog
 
 log = logging.getLogger("kvroute.indexer")
 
@@ -36,16 +37,15 @@ class MessageHandler:
         self.registry = registry
         self.mirror = mirror
         self.metrics = metrics
-        self._log_times: dict[tuple[str, str], float] = {}
+        #: Every per-message line goes through this (a hostile publisher cannot flood the log).
+        self.rlog = RateLimitedLog(log, LOG_INTERVAL_S)
 
     def count_drop(self, worker_id: str, reason: str, detail: str = "") -> Handled:
         """Count and (rate-limited) log a message dropped before it reached a worker's state."""
         self.metrics.dropped.labels(worker_id, reason).inc()
-        now = time.monotonic()
-        key = (worker_id, reason)
-        if now - self._log_times.get(key, -LOG_INTERVAL_S) >= LOG_INTERVAL_S:
-            self._log_times[key] = now
-            log.warning("worker %s: dropped a message (%s) %s", worker_id, reason, detail[:200])
+        self.rlog.warning(
+            f"{worker_id}\0{reason}", "worker %s: dropped a message (%s) %s", worker_id, reason, detail[:200]
+        )
         return _DROPPED
 
     async def handle_message(self, worker_id: str, frames: Sequence[bytes], on_gap: GapPolicy, replay: bool) -> Handled:
@@ -59,6 +59,8 @@ class MessageHandler:
         rank = batch.dp_rank
         ent = self.registry.entity(worker_id, rank)
         if ent is None:
+            if worker_id in self.registry.workers:  # a rank beyond the worker's dp_size: never an entity
+                return self.count_drop(worker_id, "unknown_rank", f"data_parallel_rank {rank}")
             return self.count_drop(worker_id, "unknown_worker")
         verdict = ent.seq.check(seq, batch.ts, on_gap, replay)
         if verdict is not APPLY:  # APPLY has taken the new position already
@@ -112,11 +114,16 @@ class MessageHandler:
         ent.metrics.purged(reason)
 
     async def purge_entity(self, ent: Entity, reason: str) -> None:
-        log.info("purging %s (%s)", ent.id, reason)
+        self.rlog.log(logging.INFO, f"{ent.id}\0purge\0{reason}", "purging %s (%s)", ent.id, reason)
         ent.state.clear()
         self._count_purge(ent, reason)
         ent.metrics.set_blocks(0)
         await self.mirror.purge(ent.id)
+
+    async def resync_entity(self, ent: Entity, reason: str) -> None:
+        """Purge the entity and expect sequence 0: a replay from 0 (the caller's) re-learns it."""
+        await self.purge_entity(ent, reason)
+        ent.seq.restart_from_zero()
 
     async def purge_worker(self, worker_id: str, reason: str) -> int:
         ents = list(self.registry.of_worker(worker_id))

@@ -29,11 +29,14 @@ class EntityState:
     #: cached prompt whose length is a multiple of the block size, stores a second copy under the same
     #: hash, announces it again, and later sends one BlockRemoved per copy. (key, tier bit) -> extras.
     copies: dict[tuple[int, int], int] = field(default_factory=dict)
+    #: Blocks per tier bit, maintained on every change (stats are O(tiers), never a scan of ``bits``).
+    counts: dict[int, int] = field(default_factory=dict)
 
     def clear(self) -> None:
         self.alias.clear()
         self.bits.clear()
         self.copies.clear()
+        self.counts.clear()
 
     def snapshot_ops(self) -> list[IndexOp]:
         """Operations that rewrite this entity from scratch (clear, then its blocks per tier)."""
@@ -95,6 +98,8 @@ def _store(state: EntityState, model: ModelInfo, event: BlockStored, out: BatchR
         keys = [alias[h] for h in hashes if h in alias]
         if len(keys) < len(hashes):
             _bump(out.dropped, "unknown_hash", len(hashes) - len(keys))
+        if len(keys) > 1:
+            keys = list(dict.fromkeys(keys))  # a hash listed twice is one block (keeps the counts exact)
         return keys
     if model.block_size is None:
         model.block_size = event.block_size
@@ -127,6 +132,7 @@ def _remove(state: EntityState, bit: int, hashes: list[BlockHash]) -> list[int]:
     bits = state.bits
     keys = []
     copies = state.copies
+    counts = state.counts
     for h in hashes:
         key = alias.get(h)
         if key is None:
@@ -142,6 +148,7 @@ def _remove(state: EntityState, bit: int, hashes: list[BlockHash]) -> list[int]:
                 del copies[(key, bit)]
             continue  # another copy still holds the block
         keys.append(key)
+        counts[bit] -= 1
         if old == bit:
             del bits[key]
             del alias[h]
@@ -190,9 +197,13 @@ def translate(state: EntityState, model: ModelInfo, batch: EventBatch) -> BatchR
             if keys is None:
                 continue
             bit = _tier(event.medium, event.locality)
+            had = 0
             for key in keys:
                 if bits_table.get(key, 0) & bit:
+                    had += 1
                     state.copies[(key, bit)] = state.copies.get((key, bit), 0) + 1
+            counts = state.counts
+            counts[bit] = counts.get(bit, 0) + len(keys) - had
             if len(keys) == 1:
                 bits_table[keys[0]] = bits_table.get(keys[0], 0) | bit
             else:

@@ -10,11 +10,12 @@ the worker's own blocks, never a scan of the whole index.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvroute.indexer.backend import IndexBackend, IndexOp, WorkerIndexStats, WorkerMatch
-from kvroute.indexer.bitsets import add_bits, classify, tier_counts
+from kvroute.indexer.bitsets import add_bits, add_bits_counted, classify, named_counts
 
 SLOT_BITS = 8
 _BYTE = 0xFF
@@ -30,6 +31,8 @@ class _Model:
     free: list[int] = field(default_factory=list)
     #: Per worker: key -> its tier bits (the reverse index used by purges and stats).
     held: dict[str, dict[int, int]] = field(default_factory=dict)
+    #: Per worker: tier bit -> blocks (maintained on every write: stats never walk ``held``).
+    counts: dict[str, dict[int, int]] = field(default_factory=dict)
 
     def slot_of(self, worker_id: str) -> int:
         slot = self.slots.get(worker_id)
@@ -38,6 +41,7 @@ class _Model:
             self.slots[worker_id] = slot
             self.owners[slot] = worker_id
             self.held[worker_id] = {}
+            self.counts[worker_id] = {}
         return slot
 
     def drop(self, worker_id: str) -> None:
@@ -45,6 +49,7 @@ class _Model:
         if slot is None:
             return
         del self.owners[slot]
+        self.counts.pop(worker_id, None)
         keep = ~(_BYTE << (slot * SLOT_BITS))
         blocks = self.blocks
         for key in self.held.pop(worker_id):
@@ -54,6 +59,24 @@ class _Model:
             else:
                 del blocks[key]
         self.free.append(slot)
+
+    def evict(self, n: int) -> int:
+        """Forget the ``n`` oldest blocks (insertion order; a store of a held block refreshes it)."""
+        blocks, owners, held, counts = self.blocks, self.owners, self.held, self.counts
+        victims = list(itertools.islice(blocks, n))
+        for key in victims:
+            value = blocks.pop(key)
+            for slot in _slots_of(_lanes(value)):
+                worker = owners.get(slot)
+                if worker is None:
+                    continue
+                bits = held[worker].pop(key, 0)
+                tiers = counts[worker]
+                while bits:
+                    low = bits & -bits
+                    tiers[low] -= 1
+                    bits ^= low
+        return len(victims)
 
 
 def _lanes(value: int) -> int:
@@ -146,12 +169,21 @@ def _credit(entry: list[int], run: int, bits: int) -> None:
 
 
 class MemoryIndex(IndexBackend):
-    """In-process index for one router (the embedded default)."""
+    """In-process index for one router (the embedded default).
+
+    ``max_blocks`` bounds the blocks held (all models together; None = unbounded): past it, the oldest
+    blocks (by insertion, refreshed when stored again) of the largest model table are forgotten, a
+    hundredth of the capacity at a time, and counted by :attr:`on_evict` (``kvroute_index_evicted_blocks_total``).
+    """
 
     name = "memory"
 
-    def __init__(self) -> None:
+    def __init__(self, max_blocks: int | None = None) -> None:
+        if max_blocks is not None and max_blocks < 1:
+            raise ValueError("max_blocks must be positive (or None: unbounded)")
         self._models: dict[str, _Model] = {}
+        self.max_blocks = max_blocks
+        self.evicted_blocks = 0
 
     def _model(self, model: str) -> _Model:
         table = self._models.get(model)
@@ -171,6 +203,7 @@ class MemoryIndex(IndexBackend):
                 continue
             slot = table.slot_of(worker_id)
             held = table.held[worker_id]
+            tiers = table.counts[worker_id]
             blocks = table.blocks
             bit = int(op.tier) & _BYTE
             if not bit:
@@ -178,7 +211,10 @@ class MemoryIndex(IndexBackend):
             shifted = bit << (slot * SLOT_BITS)
             if op.kind == "store":
                 keys = op.keys if isinstance(op.keys, list) else list(op.keys)
-                add_bits(held, keys, bit)
+                tiers[bit] = tiers.get(bit, 0) + add_bits_counted(held, keys, bit)
+                if self.max_blocks is not None:
+                    for key in blocks.keys() & keys:  # stored again: the newest, evicted last
+                        blocks[key] = blocks.pop(key)
                 add_bits(blocks, keys, shifted)
             else:
                 for key in op.keys:
@@ -189,11 +225,39 @@ class MemoryIndex(IndexBackend):
                         del held[key]
                     else:
                         held[key] = old & ~bit
+                    tiers[bit] -= 1
                     value = blocks[key] & ~shifted
                     if value:
                         blocks[key] = value
                     else:
                         del blocks[key]
+
+        if self.max_blocks is not None:
+            self._bound()
+
+    def _bound(self) -> None:
+        """Evict past :attr:`max_blocks`, from the largest table, a hundredth of the capacity at a time (one
+        pass over the dict's head per round, not per block)."""
+        limit = self.max_blocks
+        assert limit is not None
+        total = sum(len(t.blocks) for t in self._models.values())
+        if total <= limit:
+            return
+        chunk = max(1, limit // 100)
+        evicted = 0
+        while total > limit:
+            table = max(self._models.values(), key=lambda t: len(t.blocks))
+            n = table.evict(max(chunk, total - limit))
+            if not n:
+                break
+            evicted += n
+            total -= n
+        self.evicted_blocks += evicted
+        if self.on_evict is not None:
+            self.on_evict(evicted)
+
+    def total_blocks(self) -> int:
+        return sum(len(t.blocks) for t in self._models.values())
 
     async def lookup(self, model: str, keys: Sequence[int]) -> dict[str, WorkerMatch]:
         return self.lookup_sync(model, keys)
@@ -230,5 +294,5 @@ class MemoryIndex(IndexBackend):
         out = []
         for model, table in self._models.items():
             for worker, held in table.held.items():
-                out.append(WorkerIndexStats(worker, model, len(held), tier_counts(held.values())))
+                out.append(WorkerIndexStats(worker, model, len(held), named_counts(table.counts[worker])))
         return out

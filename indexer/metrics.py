@@ -63,6 +63,30 @@ class IndexerMetrics:
             ["backend", "op"],
             registry=r,
         )
+        self.evicted_blocks = Counter(
+            "kvroute_index_evicted_blocks_total",
+            "Blocks a bounded backend forgot to stay within its capacity (index.max_blocks)",
+            ["backend"],
+            registry=r,
+        )
+        self.reconciliations = Counter(
+            "kvroute_index_reconciliations_total",
+            "Checks of the index's block count against the engine's, by outcome (ok, diverged, resynced, error)",
+            ["worker", "outcome"],
+            registry=r,
+        )
+        self.resyncs = Counter(
+            "kvroute_index_resyncs_total",
+            "Full resyncs (purge, then replay from sequence 0), by reason",
+            ["worker", "reason"],
+            registry=r,
+        )
+        self.disconnects = Counter(
+            "kvroute_index_stream_disconnects_total",
+            "Event-stream disconnections seen by the socket monitor (a worker gone, or a frame over MAXMSGSIZE)",
+            ["worker"],
+            registry=r,
+        )
 
     def entity(self, entity: str) -> EntityMetrics:
         return EntityMetrics(self, entity)

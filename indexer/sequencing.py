@@ -14,7 +14,11 @@ from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 Outcome = Literal["applied", "duplicate", "gap", "restart", "resync", "dropped"]
-GapPolicy = Literal["report", "purge"]
+#: What a message that does not follow its predecessor does: ``purge`` (purge, then apply it as the new
+#: baseline), ``report`` (a gap is reported for the caller to replay first), ``verify`` (a gap *and* a
+#: sequence going backwards are reported: the caller checks with the replay buffer whether the engine really
+#: restarted before anything is purged, see the subscriber).
+GapPolicy = Literal["report", "purge", "verify"]
 
 
 class Handled(NamedTuple):
@@ -41,6 +45,7 @@ DUPLICATE = Verdict("duplicate", False)
 CATCH_UP = Verdict("gap", False)
 GAP_REPORTED = Verdict("gap", False, gap=True)
 RESTART = Verdict("restart", True, "engine_restart")
+RESTART_REPORTED = Verdict("restart", False)
 REPLAY_TOO_OLD = Verdict("resync", True, "replay_too_old", gap=True)
 GAP_PURGED = Verdict("resync", True, "gap", gap=True)
 
@@ -67,7 +72,7 @@ class SeqTrack:
         caller purges, then calls :meth:`commit` (one call less per message on the ingestion path)."""
         last = self.last_seq
         if last is None:
-            if seq > 0 and on_gap == "report" and not replay:
+            if seq > 0 and on_gap != "purge" and not replay:
                 # First message from a worker that was already running (the router restarted, or a
                 # connecting PUB lost its first batches): catch up from the start of its replay buffer.
                 self.last_seq = -1
@@ -75,11 +80,13 @@ class SeqTrack:
         elif seq != last + 1:
             if seq <= last:
                 overlap = self.replay_floor is not None and seq >= self.replay_floor and ts <= self.last_ts
-                return DUPLICATE if replay or overlap else RESTART
+                if replay or overlap:
+                    return DUPLICATE
+                return RESTART_REPORTED if on_gap == "verify" else RESTART
             self.gaps += 1
             if replay:
                 return REPLAY_TOO_OLD  # the replay buffer no longer holds what we missed: start afresh here
-            return GAP_REPORTED if on_gap == "report" else GAP_PURGED
+            return GAP_PURGED if on_gap == "purge" else GAP_REPORTED
         self.last_seq = seq
         if ts > self.last_ts:
             self.last_ts = ts
@@ -111,6 +118,12 @@ class SeqTrack:
         """Live messages queued behind a replay from ``start`` are overlap, not an engine restart."""
         self.replay_floor = start
         self.replays += 1
+
+    def restart_from_zero(self) -> None:
+        """After a purge that a full resync follows: expect sequence 0 (a replay from 0 comes next)."""
+        self.last_seq = -1
+        self.replay_floor = None
+        self.last_ts = 0.0
 
     def forget(self) -> None:
         """The worker is gone: whatever it sends next is a new baseline."""

@@ -67,6 +67,8 @@ class KVIndexer:
         self.lookups = IndexLookup(backend, self.registry, self.metrics)
         self.inspector = IndexStats(self.registry, self.mirror)
         self.maintenance: IndexMaintenance | None = None
+        evicted = self.metrics.evicted_blocks.labels(backend.name)
+        backend.on_evict = evicted.inc
 
     # ---- models and workers --------------------------------------------------------------------
 
@@ -131,6 +133,30 @@ class KVIndexer:
     def expected_seq(self, worker_id: str, dp_rank: int = 0) -> int | None:
         ent = self.registry.find(worker_id, dp_rank)
         return None if ent is None else ent.seq.expected()
+
+    def dp_size(self, worker_id: str) -> int:
+        """How many data-parallel ranks the worker was registered (or discovered) with; 0 when unknown."""
+        worker = self.registry.workers.get(worker_id)
+        return 0 if worker is None else worker.dp_size
+
+    async def resync(self, worker_id: str, dp_rank: int, reason: str) -> bool:
+        """Purge one rank and expect sequence 0, so that a replay from 0 (the caller's) re-learns it.
+        False when the rank is unknown."""
+        ent = self.registry.entity(worker_id, dp_rank)
+        if ent is None:
+            return False
+        await self.handler.resync_entity(ent, reason)
+        self.metrics.resyncs.labels(ent.id, reason).inc()
+        return True
+
+    def indexed_blocks(self, worker_id: str, dp_rank: int = 0, tier: int | None = None) -> int | None:
+        """Blocks the local view of one rank holds (in ``tier``'s bit, or any tier); None when unknown.
+        O(1): the counters are maintained on every change."""
+        ent = self.registry.find(worker_id, dp_rank)
+        if ent is None:
+            return None
+        state = ent.state
+        return len(state.bits) if tier is None else state.counts.get(tier, 0)
 
     def begin_replay(self, worker_id: str, dp_rank: int, start: int) -> None:
         """Live messages queued behind a replay from ``start`` are overlap, not an engine restart."""

@@ -95,6 +95,21 @@ class IndexConfig(_Strict):
         default=None, description="Bind one SUB socket here for workers that connect (vLLM tcp://host:port)"
     )
     worker_gone_grace_s: float = Field(default=30.0, gt=0)
+    max_blocks: int | None = Field(
+        default=5_000_000, ge=1, description="memory backend capacity; oldest blocks evicted beyond (None: unbounded)"
+    )
+    max_frame_bytes: int = Field(
+        default=16 << 20, ge=1024, description="Largest KV-event frame accepted (ZMQ MAXMSGSIZE on SUB/replay)"
+    )
+    events_allow: list[str] = Field(
+        default_factory=list, description="events_bind: only these source IP addresses may connect (ZAP)"
+    )
+    events_curve_secret_key: str | None = Field(
+        default=None, description="events_bind: CURVE server secret key (Z85); workers must connect with CURVE"
+    )
+    events_curve_client_keys: list[str] = Field(
+        default_factory=list, description="CURVE client public keys (Z85) allowed on events_bind (empty: any)"
+    )
 
 
 class PoolConfig(_Strict):

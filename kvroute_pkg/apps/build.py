@@ -19,7 +19,7 @@ from kvroute.indexer.maintenance import IndexMaintenance
 from kvroute.indexer.memory import MemoryIndex
 from kvroute.indexer.metrics import IndexerMetrics
 from kvroute.indexer.service import KVIndexer
-from kvroute.indexer.subscriber import EventSubscriber, WorkerSpec
+from kvroute.indexer.subscriber import EventSubscriber, WorkerSpec, subscriber_options
 from kvroute.policies import Policy, create_policy
 from kvroute.policies.base import ModelFigures, PoolContext
 from kvroute.router.app import create_app
@@ -54,7 +54,7 @@ def make_backend(config: RouterConfig) -> IndexBackend:
         from kvroute.indexer.redis_index import RedisIndex
 
         return RedisIndex(index.redis_url, prefix=index.redis_prefix, ttl_s=index.block_ttl_s)
-    return MemoryIndex()
+    return MemoryIndex(max_blocks=index.max_blocks)
 
 
 def make_indexer(
@@ -67,7 +67,7 @@ def make_indexer(
 
 def make_subscriber(config: RouterConfig, indexer: KVIndexer) -> EventSubscriber:
     """The KV-event subscriber (it only consumes events; upkeep is :func:`make_maintenance`'s)."""
-    return EventSubscriber(indexer, bind=config.index.events_bind)
+    return EventSubscriber(indexer, bind=config.index.events_bind, **subscriber_options(config.index))
 
 
 def make_maintenance(config: RouterConfig, indexer: KVIndexer) -> IndexMaintenance:

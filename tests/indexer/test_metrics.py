@@ -28,6 +28,11 @@ FAMILIES = {
     "kvroute_index_lookup_seconds": ("backend",),
     "kvroute_index_backend_up": ("backend",),
     "kvroute_index_backend_errors": ("backend", "op"),
+    # Added by the hardening (new families only; the ones above are unchanged).
+    "kvroute_index_evicted_blocks": ("backend",),
+    "kvroute_index_reconciliations": ("worker", "outcome"),
+    "kvroute_index_resyncs": ("worker", "reason"),
+    "kvroute_index_stream_disconnects": ("worker",),
 }
 
 
