@@ -10,13 +10,23 @@ worker, an alias map from vLLM's hash to ours.
 
 Extra keys follow vLLM's placement: the LoRA name on every block, the tenant's ``cache_salt`` on the
 first block only, so two tenants' identical prompts never share a key.
+
+Agentic and chat prompts repeat the previous prompt and append to it. :class:`KeyChainCache` keeps the
+key chains of recent prompts (per model, block size, LoRA and salt; bounded in bytes) so a prompt that
+shares a prefix with a recent one hashes only the blocks after it: the chain is a function of the
+tokens, so a chain continued from the cached prefix's last key is the from-scratch chain. Tokenizers
+that build ids incrementally hand them over as :class:`TokenIds`, which carry their packed bytes, so
+the key step does not repack 32k ints either. :class:`PrefixIndex` (the longest cached prefix of a
+``str`` or ``bytes`` in a few dict reads) serves this cache and the router's tokenizer cache alike.
 """
 
 from __future__ import annotations
 
 import sys
 from array import array
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Generic, TypeVar
 
 import msgspec
 import xxhash
@@ -31,12 +41,35 @@ def root_key(model: str) -> int:
     return _hash(b"kvroute/v1\x00" + model.encode())
 
 
-def token_bytes(tokens: Sequence[int]) -> bytes:
-    """Little-endian uint32 bytes of ``tokens`` (one conversion per event or request, not per block)."""
+class TokenIds(list[int]):
+    """Token ids that carry their little-endian uint32 bytes (``packed``), built alongside the ids by a
+    tokenizer that reuses cached prefixes: packing 32k Python ints costs more than hashing them.
+
+    Treat it as read-only: ``packed`` is not updated by list mutations (:func:`token_bytes` repacks when
+    the lengths disagree, and a same-length edit of a handed-out list is a caller's bug)."""
+
+    __slots__ = ("packed",)
+
+    def __init__(self, ids: Iterable[int] = (), packed: bytes | None = None) -> None:
+        super().__init__(ids)
+        self.packed = packed
+
+
+def pack_tokens(tokens: Sequence[int]) -> bytes:
+    """Little-endian uint32 bytes of ``tokens``, without the carried bytes of a :class:`TokenIds`."""
     packed = array("I", tokens)
     if not _LITTLE:
         packed.byteswap()
     return packed.tobytes()
+
+
+def token_bytes(tokens: Sequence[int]) -> bytes:
+    """Little-endian uint32 bytes of ``tokens`` (one conversion per event or request, not per block)."""
+    if type(tokens) is TokenIds:
+        packed = tokens.packed
+        if packed is not None and len(packed) == 4 * len(tokens):
+            return packed
+    return pack_tokens(tokens)
 
 
 def extra_bytes(extra: Sequence[object] | None) -> bytes:
@@ -80,10 +113,14 @@ def chain_keys(
     if count == 0:
         return []
     size = count * block_size
-    packed = array("I", tokens if len(tokens) == size else tokens[:size])
-    if not _LITTLE:
-        packed.byteswap()
-    data = memoryview(packed).cast("B")
+    return _chain(memoryview(token_bytes(tokens))[: size * 4], block_size, parent, extra_keys)
+
+
+def _chain(
+    data: memoryview, block_size: int, parent: int, extra_keys: Sequence[Sequence[object] | None] | None
+) -> list[int]:
+    """Keys of the whole blocks of packed token bytes ``data`` (a multiple of the block) from ``parent``."""
+    size = len(data) // 4
     step = block_size * 4
     keys: list[int] = []
     append = keys.append
@@ -108,3 +145,255 @@ def request_keys(
     """Keys of a request's prompt: what the index is asked about."""
     extras = request_extra_keys(len(tokens) // block_size, lora_name=lora_name, cache_salt=cache_salt)
     return chain_keys(tokens, block_size, root_key(model), extras)
+
+
+# -- the longest cached prefix -------------------------------------------------------------------------
+
+S = TypeVar("S", str, bytes)
+V = TypeVar("V")
+
+
+def _seg_hash(segment: str | bytes, seed: int) -> int:
+    if isinstance(segment, str):
+        return _hash(segment.encode("utf-8", "surrogatepass"), seed)
+    return _hash(segment, seed)
+
+
+class Probe:
+    """A sequence's marks ``(position in units, chain hash)`` and its identity hash (length folded in)."""
+
+    __slots__ = ("ident", "marks")
+
+    def __init__(self, ident: int, marks: list[tuple[int, int]]) -> None:
+        self.ident = ident
+        self.marks = marks
+
+
+class PrefixIndex(Generic[S, V]):
+    """An LRU of ``str`` or ``bytes`` sequences -> values, bounded in bytes, that finds the cached
+    sequence sharing the longest prefix with a new one without comparing it to every entry (nor hashing
+    32k-token sequences with Python's SipHash as dict keys).
+
+    Each sequence is marked at a few positions (in ``unit``\\ s: ``first``, twice that, ... up to
+    ``step``, then every ``step``) by a chain of xxh3 hashes of its segments, one call per mark; a new
+    sequence computes its own chain and takes the entry of its deepest mark found. The common prefix is
+    then established by comparing the sequences themselves, never by the hashes alone."""
+
+    def __init__(self, max_bytes: int, *, unit: int = 1, first: int = 64, step: int = 16384) -> None:
+        self.max_bytes = max(0, int(max_bytes))
+        self.unit = unit
+        self.first = max(1, first)
+        self.step = max(self.first, step)
+        self.bytes = 0
+        #: ident -> (sequence, value, bytes, mark hashes)
+        self._entries: OrderedDict[int, tuple[S, V, int, list[int]]] = OrderedDict()
+        self._marks: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def positions(self, length: int) -> Iterator[int]:
+        """Mark positions (in units) of a sequence ``length`` units long."""
+        pos = self.first
+        while pos < self.step and pos <= length:
+            yield pos
+            pos *= 2
+        pos = self.step
+        while pos <= length:
+            yield pos
+            pos += self.step
+
+    def probe(self, seq: S, seed: int = 0) -> Probe:
+        marks = []
+        prev = 0
+        h = seed & _MASK
+        u = self.unit
+        for pos in self.positions(len(seq) // u):
+            h = _seg_hash(seq[prev * u : pos * u], h)
+            marks.append((pos, h))
+            prev = pos
+        ident = _seg_hash(seq[prev * u :] if prev else seq, h) ^ (len(seq) * 0x9E3779B97F4A7C15 & _MASK)
+        return Probe(ident, marks)
+
+    def get(self, seq: S, probe: Probe) -> V | None:
+        """The value of exactly ``seq`` (made the most recent), else None."""
+        item = self._entries.get(probe.ident)
+        if item is None or item[0] != seq:
+            return None
+        self._entries.move_to_end(probe.ident)
+        return item[1]
+
+    def longest(self, seq: S, probe: Probe) -> tuple[S, V, int, int] | None:
+        """The cached sequence with the deepest mark in common with ``seq``: ``(sequence, value, length
+        of the common prefix in units (exact, compared), its ident)``, or None when no mark is shared."""
+        entries = self._entries
+        marks = probe.marks
+        for k in range(len(marks) - 1, -1, -1):
+            ident = self._marks.get(marks[k][1])
+            if ident is not None:
+                break
+        else:
+            return None
+        item = entries[ident]
+        base = item[0]
+        u = self.unit
+        lo = marks[k][0]
+        hi = min(len(base), len(seq)) // u
+        if k + 1 < len(marks):
+            hi = min(hi, marks[k + 1][0])
+        if seq.startswith(base if hi * u == len(base) else base[: hi * u]):
+            lcp = hi
+        elif not seq.startswith(base[: lo * u]):
+            return None  # a hash collision: the sequences differ
+        else:
+            while lo < hi - 1:  # lo units are common, hi are not
+                mid = (lo + hi) // 2
+                if seq[lo * u : mid * u] == base[lo * u : mid * u]:
+                    lo = mid
+                else:
+                    hi = mid
+            lcp = lo
+        entries.move_to_end(ident)
+        return base, item[1], lcp, ident
+
+    def put(self, seq: S, value: V, nbytes: int, probe: Probe) -> bool:
+        """Cache ``value`` for ``seq`` (``nbytes`` of it; the marks are added here), evicting the least
+        recently used entries to stay within ``max_bytes``. False when it is larger than the bound."""
+        self.drop(probe.ident)
+        hashes = [h for _, h in probe.marks]
+        nbytes += 120 * len(hashes) + 160
+        if nbytes > self.max_bytes:
+            return False
+        self._entries[probe.ident] = (seq, value, nbytes, hashes)
+        for h in hashes:
+            self._marks[h] = probe.ident
+        self.bytes += nbytes
+        while self.bytes > self.max_bytes:
+            self.evict()
+        return True
+
+    def evict(self) -> None:
+        """Drop the least recently used entry."""
+        if self._entries:
+            self.drop(next(iter(self._entries)))
+
+    def drop(self, ident: int) -> None:
+        item = self._entries.pop(ident, None)
+        if item is None:
+            return
+        self.bytes -= item[2]
+        marks = self._marks
+        for h in item[3]:
+            if marks.get(h) == ident:
+                del marks[h]
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._marks.clear()
+        self.bytes = 0
+
+
+# -- incremental key chains ----------------------------------------------------------------------------
+
+#: Estimated bytes per cached key: a list slot and a 64-bit int object.
+KEY_BYTES = 8 + 36
+
+
+class KeyChainCache:
+    """Key chains of recent prompts, so a prompt extending (or sharing a prefix with) a recent one hashes
+    only its new blocks. Per (model, block size, LoRA, salt): the extra keys depend on nothing else, so
+    the keys of a common prefix are the same and continuing the chain from its last key gives exactly
+    the from-scratch keys. Bounded by ``max_bytes`` (token bytes + keys + marks), least recently used
+    first out; ``max_bytes=0`` disables it."""
+
+    def __init__(self, max_bytes: int = 16 << 20) -> None:
+        self.max_bytes = max_bytes
+        self._index: dict[tuple[str, int, str | None, str | None], PrefixIndex[bytes, list[int]]] = {}
+        self.counters = {"hits": 0, "prefix_hits": 0, "misses": 0, "blocks_hashed": 0, "blocks_reused": 0}
+
+    @property
+    def size_bytes(self) -> int:
+        """Bytes held by every context's entries (never above ``max_bytes``)."""
+        return sum(index.bytes for index in self._index.values())
+
+    def stats(self) -> dict[str, int]:
+        return {
+            **self.counters,
+            "entries": sum(len(i) for i in self._index.values()),
+            "bytes": self.size_bytes,
+            "max_bytes": self.max_bytes,
+        }
+
+    def keys(
+        self,
+        tokens: Sequence[int],
+        block_size: int,
+        model: str,
+        *,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+    ) -> list[int]:
+        """Equal to :func:`request_keys` with the same arguments, always."""
+        if block_size <= 0:
+            raise ValueError("block_size must be positive")
+        count = len(tokens) // block_size
+        if self.max_bytes <= 0 or count == 0:
+            return request_keys(tokens, block_size, model, lora_name=lora_name, cache_salt=cache_salt)
+        step = block_size * 4
+        packed = token_bytes(tokens)
+        data = packed if len(packed) == count * step else packed[: count * step]
+        ctx = (model, block_size, lora_name or None, cache_salt or None)
+        index = self._index.get(ctx)
+        if index is None:
+            # Marks every 1, 2, 4, ... blocks up to ~4k tokens, then every ~4k tokens (one xxh3 call each).
+            index = self._index[ctx] = PrefixIndex(self.max_bytes, unit=step, first=1, step=max(1, 4096 // block_size))
+        probe = index.probe(data, root_key(model))
+        cached = index.get(data, probe)
+        if cached is not None:
+            self.counters["hits"] += 1
+            self.counters["blocks_reused"] += count
+            return list(cached)
+        found = index.longest(data, probe)
+        extras = request_extra_keys(count, lora_name=lora_name, cache_salt=cache_salt)
+        if found is None or found[2] == 0:
+            self.counters["misses"] += 1
+            keys = _chain(memoryview(data), block_size, root_key(model), extras)
+            reused = 0
+        else:
+            base, base_keys, reused, ident = found
+            self.counters["prefix_hits"] += 1
+            keys = base_keys[:reused]
+            if reused < count:
+                keys += _chain(
+                    memoryview(data)[reused * step :],
+                    block_size,
+                    base_keys[reused - 1],
+                    extras[reused:] if extras is not None else None,
+                )
+            if reused * step == len(base):
+                index.drop(ident)  # superseded: its whole chain is the new entry's prefix
+        self.counters["blocks_hashed"] += count - reused
+        self.counters["blocks_reused"] += reused
+        index.put(data, keys, len(data) + 33 + KEY_BYTES * count + 56, probe)
+        self._trim(index)
+        return list(keys)
+
+    def _trim(self, keep: PrefixIndex[bytes, list[int]]) -> None:
+        """One bound over every context: the other contexts give way first, least recent entry first."""
+        total = self.size_bytes
+        for ctx, index in list(self._index.items()):
+            if index is keep:
+                continue
+            while total > self.max_bytes and len(index):
+                before = index.bytes
+                index.evict()
+                total -= before - index.bytes
+            if not len(index):
+                del self._index[ctx]
+        while total > self.max_bytes and len(keep):
+            before = keep.bytes
+            keep.evict()
+            total -= before - keep.bytes
+
+    def clear(self) -> None:
+        self._index.clear()

@@ -1,8 +1,10 @@
 """Answering a request: its tokens -> our block keys -> per worker entity, how much of the prefix it holds.
 
 This is the routing decision's index step, so it stays a straight line: one dict read for the block
-size, one key chain (:func:`kvroute.indexer.keys.request_keys`), one backend call. A reader of a
-shared index that never sees events learns block sizes from the writer through the backend.
+size, one key chain, one backend call. The chain comes from a :class:`~kvroute.indexer.keys.KeyChainCache`
+(bounded in bytes): a prompt that extends a recent one hashes only its new blocks, with keys equal to
+:func:`kvroute.indexer.keys.request_keys`'s. A reader of a shared index that never sees events learns
+block sizes from the writer through the backend.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from dataclasses import dataclass, field
 
 from kvroute.indexer.backend import IndexBackend, IndexUnavailable, WorkerMatch
 from kvroute.indexer.entities import Registry
-from kvroute.indexer.keys import request_keys
+from kvroute.indexer.keys import KeyChainCache
 from kvroute.indexer.metrics import IndexerMetrics
 from prometheus_client import Histogram
 
@@ -38,10 +40,19 @@ class LookupResult:
 class IndexLookup:
     """Request-side reads of one indexer's backend."""
 
-    def __init__(self, backend: IndexBackend, registry: Registry, metrics: IndexerMetrics) -> None:
+    def __init__(
+        self,
+        backend: IndexBackend,
+        registry: Registry,
+        metrics: IndexerMetrics,
+        *,
+        key_cache_bytes: int = 16 << 20,
+    ) -> None:
         self.backend = backend
         self.registry = registry
         self.metrics = metrics
+        #: Recent prompts' key chains (``key_cache_bytes`` at most; 0 hashes every prompt from scratch).
+        self.key_cache = KeyChainCache(key_cache_bytes)
         #: The latency child, resolved on first use: the lookup path must not pay ``labels()`` per request.
         self._lookup_seconds: Histogram | None = None
 
@@ -52,7 +63,7 @@ class IndexLookup:
         size = info.block_size if info else None
         if size is None:
             return None, []
-        return size, request_keys(token_ids, size, model, lora_name=lora_name, cache_salt=cache_salt)
+        return size, self.key_cache.keys(token_ids, size, model, lora_name=lora_name, cache_salt=cache_salt)
 
     async def lookup_tokens(
         self, model: str, token_ids: Sequence[int], lora_name: str | None = None, cache_salt: str | None = None
@@ -65,7 +76,7 @@ class IndexLookup:
             size = self.registry.block_size(model)
         if size is None:
             return LookupResult(model, None, 0)
-        keys = request_keys(token_ids, size, model, lora_name=lora_name, cache_salt=cache_salt)
+        keys = self.key_cache.keys(token_ids, size, model, lora_name=lora_name, cache_salt=cache_salt)
         result = LookupResult(model, size, len(keys), keys=keys)
         if keys:
             result.matches = await self.lookup_keys(model, keys)

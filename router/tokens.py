@@ -4,17 +4,39 @@ A token mismatch silently destroys every cache hit, so the local path reproduces
 chat requests render the model's chat template (jinja2, sandboxed, HF's globals) and encode the text
 without adding special tokens; completion prompts are encoded with them (the post-processor's BOS).
 
-Growing conversations are not re-tokenized from scratch: each result is cached with its character
-offsets, and a new text that extends a cached one reuses the cached tokens up to the last *special
-token* inside the shared part. Added special tokens are split off before any normalisation or
-pre-tokenization, so the tokens before such a boundary are exactly what a full encode would give.
-The remote path caches exact request bodies only (the server renders templates itself).
+Growing prompts are not re-tokenized from scratch. Each result is cached (an LRU bounded in bytes:
+text + ids + offsets) with its tokens' character offsets; a new text finds the cached one sharing the
+longest prefix with it (:class:`~kvroute.indexer.keys.PrefixIndex`: a few xxh3 calls, then compared)
+and reuses the cached tokens up to a cut inside the shared part, encoding only the rest. A cut is used
+only where the split provably or checkably leaves the ids unchanged:
+
+* at a *special token* the cached text holds inside the shared part: added special tokens are split
+  off before any normalisation or pre-tokenization, so the tokens before it are a full encode's;
+* elsewhere (completions without special tokens) at a token start at least ``GUARD_CHARS`` before the
+  end of the shared part, preferably a space after a non-space (a piece boundary for every
+  pre-tokenizer in use, whatever follows), and only if re-encoding from an earlier token start (an
+  overlap of at least ``OVERLAP_TOKENS`` tokens and ``OVERLAP_CHARS`` characters) gives exactly the
+  cached ids and offsets over the overlap and a token starting at the cut; otherwise the last special
+  token before it, else a full encode.
+
+Chat requests render the whole template every time (a template may treat any message by its position
+or by the others: there is no sound per-message rendering without analysing it), then take the token
+reuse above: the rendering of a conversation is the previous rendering plus more, up to the generation
+prompt, and the generation prompt's ``<|im_start|>``-style special is where the cut falls. Edits in the
+middle reuse at most the tokens before the edit; truncations re-encode from a cut before the end.
+
+Results are :class:`~kvroute.indexer.keys.TokenIds` carrying their packed bytes, so the key step does
+not repack them. The remote path caches exact request bodies only (the server renders templates itself);
+a plugin tokenizer that says how its text extends (``extend``, like the simulated workers' built-in
+one) gets the same prefix cache.
 """
 
 from __future__ import annotations
 
 import bisect
 import json
+import sys
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
@@ -23,6 +45,7 @@ from typing import Any, Protocol
 
 import httpx
 import orjson
+from kvroute.indexer.keys import PrefixIndex, TokenIds, pack_tokens
 
 
 class TokenizeError(RuntimeError):
@@ -124,18 +147,44 @@ def load_chat_template(folder: Path, explicit: str | Path | None, config: Mappin
 # -- local tokenizer with a prefix cache ----------------------------------------------------------------
 
 
-class _Entry:
-    __slots__ = ("ids", "starts")
+#: Default bound of a tokenizer's prefix cache (text + ids + offsets of every entry).
+DEFAULT_CACHE_BYTES = 64 << 20
 
-    def __init__(self, ids: list[int], starts: list[int]) -> None:
+
+class _Entry:
+    """One cached text's tokens: ids, their character starts and their packed bytes."""
+
+    __slots__ = ("ids", "packed", "starts")
+
+    def __init__(self, ids: list[int], starts: array[int], packed: bytes) -> None:
         self.ids = ids
         self.starts = starts
+        self.packed = packed
+
+    def nbytes(self, text: str) -> int:
+        """Memory held, counted high: every id as its own int object (spliced lists share them)."""
+        n = len(self.ids)
+        return sys.getsizeof(text) + (56 + 40 * n) + (64 + 4 * n) + (33 + len(self.packed)) + 80
+
+
+def _counters() -> dict[str, int]:
+    return {"hits": 0, "prefix_hits": 0, "misses": 0, "fallbacks": 0, "tokens_reused": 0, "tokens_encoded": 0}
 
 
 class LocalTokenizer:
-    """``tokenizers`` + chat template from a model folder (or a tokenizer.json path)."""
+    """``tokenizers`` + chat template from a model folder (or a tokenizer.json path), with a prefix cache
+    of at most ``cache_bytes`` (0: every text is encoded from scratch)."""
 
-    def __init__(self, path: str | Path, chat_template: str | Path | None = None, cache_entries: int = 64) -> None:
+    #: A cut is at least this many characters before the end of the shared part (the pre-tokenizer's
+    #: lookahead and greedy pieces near the end may change once the text goes on differently).
+    GUARD_CHARS = 16
+    #: Re-encoded before a cut and required to agree with the cached ids and offsets.
+    OVERLAP_TOKENS = 8
+    OVERLAP_CHARS = 32
+
+    def __init__(
+        self, path: str | Path, chat_template: str | Path | None = None, cache_bytes: int = DEFAULT_CACHE_BYTES
+    ) -> None:
         from tokenizers import Tokenizer
 
         path = Path(path)
@@ -145,6 +194,9 @@ class LocalTokenizer:
             self.tokenizer = Tokenizer.from_file(str(file))
         except Exception as exc:
             raise TokenizeError(f"cannot load tokenizer {file}: {exc}") from None
+        # vLLM encodes whole prompts: a truncation or padding saved in tokenizer.json is not applied.
+        self.tokenizer.no_truncation()
+        self.tokenizer.no_padding()
         config: dict[str, Any] = {}
         config_file = folder / "tokenizer_config.json"
         if config_file.is_file():
@@ -155,15 +207,26 @@ class LocalTokenizer:
         special = {name: _token_text(config.get(name)) for name in ("bos_token", "eos_token", "unk_token", "pad_token")}
         source = load_chat_template(folder, chat_template, config)
         self.template = ChatTemplate(source, special) if source else None
-        added = self.tokenizer.get_added_tokens_decoder().values()
-        specials = [t.content for t in added if t.special and t.content]
+        added = self.tokenizer.get_added_tokens_decoder()
+        specials = [t.content for t in added.values() if t.special and t.content]
+        self._special_ids = frozenset(i for i, t in added.items() if t.special and t.content)
         in_template = [s for s in specials if self.template and s in self.template.source]
         #: Boundaries used for prefix reuse: special tokens the template emits (else a few of them).
         self.boundaries = in_template or specials[:32]
-        self.cache_entries = cache_entries
-        self._cache: OrderedDict[str, _Entry] = OrderedDict()
+        self._cache: PrefixIndex[str, _Entry] = PrefixIndex(cache_bytes, unit=1, first=64, step=16384)
         self._pre, self._post = self._special_wrap()
-        self.stats = {"hits": 0, "prefix_hits": 0, "misses": 0}
+        self._pre_packed = pack_tokens(self._pre or [])
+        self._post_packed = pack_tokens(self._post or [])
+        self.counters = _counters()
+
+    @property
+    def cache_bytes(self) -> int:
+        return self._cache.max_bytes
+
+    def stats(self) -> dict[str, int]:
+        """Counters of the prefix cache (hits, prefix hits, misses, failed overlap checks, tokens reused
+        and encoded) and its size, for export."""
+        return {**self.counters, "entries": len(self._cache), "bytes": self._cache.bytes, "max_bytes": self.cache_bytes}
 
     def _special_wrap(self) -> tuple[list[int] | None, list[int] | None]:
         """The ids the post-processor adds around a prompt, when it adds the same ones around any text."""
@@ -184,37 +247,107 @@ class LocalTokenizer:
 
     def encode_raw(self, text: str) -> list[int]:
         """Tokens of ``text`` without added special tokens, reusing a cached prefix when possible."""
-        entry = self._cache.get(text)
+        entry = self._entry(text)
+        return TokenIds(entry.ids, entry.packed)
+
+    def _entry(self, text: str) -> _Entry:
+        cache = self._cache
+        if cache.max_bytes <= 0:
+            return self._full(text)
+        probe = cache.probe(text)
+        entry = cache.get(text, probe)
         if entry is not None:
-            self._cache.move_to_end(text)
-            self.stats["hits"] += 1
-            return list(entry.ids)
-        entry = self._extend(text) or self._full(text)
-        self._cache[text] = entry
-        if len(self._cache) > self.cache_entries:
-            self._cache.popitem(last=False)
-        return list(entry.ids)
+            self.counters["hits"] += 1
+            self.counters["tokens_reused"] += len(entry.ids)
+            return entry
+        found = cache.longest(text, probe)
+        entry = self._extend(text, *found[:3]) if found is not None else None
+        if entry is None:
+            entry = self._full(text)
+        elif found is not None and found[2] == len(found[0]):
+            cache.drop(found[3])  # superseded: the new text extends it
+        cache.put(text, entry, entry.nbytes(text), probe)
+        return entry
+
+    def _encode(self, text: str) -> tuple[list[int], list[int]]:
+        enc = self.tokenizer.encode(text, add_special_tokens=False)
+        self.counters["tokens_encoded"] += len(enc.ids)
+        return enc.ids, [o[0] for o in enc.offsets]
 
     def _full(self, text: str) -> _Entry:
-        self.stats["misses"] += 1
-        enc = self.tokenizer.encode(text, add_special_tokens=False)
-        return _Entry(enc.ids, [o[0] for o in enc.offsets])
+        self.counters["misses"] += 1
+        ids, starts = self._encode(text)
+        return _Entry(ids, array("I", starts), pack_tokens(ids))
 
-    def _extend(self, text: str) -> _Entry | None:
-        bases = (t for t in self._cache if len(t) < len(text) and text.startswith(t))
-        base_text = max(bases, key=len, default=None)
-        if base_text is None:
-            return None
-        base = self._cache[base_text]
-        cut = max((base_text.rfind(s) for s in self.boundaries), default=-1)
+    def _special_cut(self, base_text: str, base: _Entry, shared: int, start: int = 0) -> int | None:
+        """Index of the last special token the cached text holds wholly inside ``[start, shared)``."""
+        cut = max((base_text.rfind(s, start, shared) for s in self.boundaries), default=-1)
         if cut <= 0:
             return None
         i = bisect.bisect_left(base.starts, cut)
-        if i >= len(base.starts) or base.starts[i] != cut:
+        if i < len(base.starts) and base.starts[i] == cut and base.ids[i] in self._special_ids:
+            return i
+        return None
+
+    def _overlap_cut(self, base_text: str, base: _Entry, shared: int) -> tuple[int, int] | None:
+        """``(j, i)``: the cut at token ``i``, starting at least GUARD_CHARS before the end of the shared
+        part, and the overlap to re-encode from token ``j``; None when that would be the text's start.
+
+        The cut prefers a token starting with a space after a non-space: no pre-tokenizer in use (GPT-2,
+        Llama 3, Qwen, o200k regexes; Metaspace; whitespace splitting) puts a non-space and the space
+        after it into one piece, so the pieces before such a cut are closed whatever follows."""
+        starts = base.starts
+        last = bisect.bisect_right(starts, shared - self.GUARD_CHARS) - 1
+        if last <= 0:
             return None
-        tail = self.tokenizer.encode(text[cut:], add_special_tokens=False)
-        self.stats["prefix_hits"] += 1
-        return _Entry(base.ids[:i] + tail.ids, base.starts[:i] + [o[0] + cut for o in tail.offsets])
+        i = last
+        for k in range(last, max(0, last - 64), -1):
+            c = starts[k]
+            if base_text[c] == " " and not base_text[c - 1].isspace() and starts[k - 1] < c:
+                i = k
+                break
+        else:
+            i = bisect.bisect_left(starts, starts[last])  # the first of the tokens of one character
+        j = min(i - self.OVERLAP_TOKENS, bisect.bisect_right(starts, starts[i] - self.OVERLAP_CHARS) - 1)
+        if j <= 0:
+            return None
+        return bisect.bisect_left(starts, starts[j]), i
+
+    def _extend(self, text: str, base_text: str, base: _Entry, shared: int) -> _Entry | None:
+        """The tokens of ``text`` from a cached entry whose first ``shared`` characters it shares."""
+        starts = base.starts
+        overlap = self._overlap_cut(base_text, base, shared)
+        # A special token after the overlap's start is the better cut (nothing to check); before it, it
+        # is only the fallback when the overlap check fails.
+        special = self._special_cut(base_text, base, shared, starts[overlap[0]] if overlap else 0)
+        if overlap is not None and special is None:
+            j, i = overlap
+            c0 = starts[j]
+            ids, tail_starts = self._encode(text[c0:])
+            n = i - j
+            if (
+                len(ids) > n
+                and tail_starts[n] == starts[i] - c0
+                and ids[:n] == base.ids[j:i]
+                and all(tail_starts[k] == starts[j + k] - c0 for k in range(n))
+            ):
+                return self._splice(base, i, ids[n:], tail_starts[n:], c0)
+            self.counters["fallbacks"] += 1
+            special = self._special_cut(base_text, base, shared)
+        if special is None:
+            return None
+        cut = starts[special]
+        ids, tail_starts = self._encode(text[cut:])
+        return self._splice(base, special, ids, tail_starts, cut)
+
+    def _splice(self, base: _Entry, keep: int, ids: list[int], starts: list[int], offset: int) -> _Entry:
+        self.counters["prefix_hits"] += 1
+        self.counters["tokens_reused"] += keep
+        out = base.ids[:keep]
+        out += ids
+        out_starts = base.starts[:keep]
+        out_starts.extend(s + offset for s in starts)
+        return _Entry(out, out_starts, base.packed[: 4 * keep] + pack_tokens(ids))
 
     def encode_prompt(self, prompt: str) -> list[int]:
         """A completion prompt as vLLM encodes it (with the post-processor's special tokens)."""
@@ -222,7 +355,13 @@ class LocalTokenizer:
             raise TokenizeError("prompt must be a string")
         if self._pre is None or self._post is None:
             return self.tokenizer.encode(prompt, add_special_tokens=True).ids
-        return self._pre + self.encode_raw(prompt) + self._post
+        entry = self._entry(prompt)
+        if not self._pre and not self._post:
+            return TokenIds(entry.ids, entry.packed)
+        out = TokenIds(self._pre, self._pre_packed + entry.packed + self._post_packed)
+        out += entry.ids
+        out += self._post
+        return out
 
     def encode_chat(
         self,
@@ -356,11 +495,18 @@ class RemoteTokenizer:
 class PluginTokenizer:
     """A tokenizer object named by import path (``python:package.module:Factory``) for engines whose
     tokenizer is not a ``tokenizer.json`` (a custom engine, the simulated workers). The factory builds an
-    object with ``encode(text)`` and ``encode_chat(messages, add_generation_prompt=True)``."""
+    object with ``encode(text)`` and ``encode_chat(messages, add_generation_prompt=True)``.
+
+    When the object also says how a text's ids follow from a prefix's (``extend(prefix, prefix_count,
+    text) -> (keep, tail_ids) | None``: the first ``keep`` ids of the prefix's, then ``tail_ids``), its
+    results are cached by text prefix (bounded in bytes); with ``render_chat(messages,
+    add_generation_prompt)`` too, chat requests are rendered and take the same cache (``encode_chat`` must
+    then be ``encode(render_chat(...))``). A text that does not extend a cached one whole (an edit in the
+    middle, a truncation) is encoded from scratch."""
 
     PREFIX = "python:"
 
-    def __init__(self, spec: str) -> None:
+    def __init__(self, spec: str, cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
         import importlib
 
         target = spec[len(self.PREFIX) :]
@@ -370,9 +516,55 @@ class PluginTokenizer:
         except (ImportError, AttributeError, ValueError) as exc:
             raise TokenizeError(f"cannot load tokenizer {spec!r}: {exc}") from None
         self.impl = factory()
+        self._extend = getattr(self.impl, "extend", None)
+        self._render = getattr(self.impl, "render_chat", None) if self._extend is not None else None
+        self._cache: PrefixIndex[str, tuple[list[int], bytes]] = PrefixIndex(
+            cache_bytes if self._extend is not None else 0, unit=1, first=64, step=16384
+        )
+        self.counters = _counters()
+
+    def stats(self) -> dict[str, int]:
+        """The prefix cache's counters and size (all zero for an object without ``extend``)."""
+        cache = self._cache
+        return {**self.counters, "entries": len(cache), "bytes": cache.bytes, "max_bytes": cache.max_bytes}
+
+    def encode(self, text: str) -> list[int]:
+        """Ids of ``text``, from the longest cached text it extends when the object can say how."""
+        cache = self._cache
+        if cache.max_bytes <= 0 or self._extend is None:
+            return list(self.impl.encode(text))
+        probe = cache.probe(text)
+        hit = cache.get(text, probe)
+        if hit is not None:
+            self.counters["hits"] += 1
+            self.counters["tokens_reused"] += len(hit[0])
+            return TokenIds(hit[0], hit[1])
+        found = cache.longest(text, probe)
+        grown = None
+        if found is not None and found[2] == len(found[0]):
+            base_text, (base_ids, base_packed), _, ident = found
+            grown = self._extend(base_text, len(base_ids), text)
+        if grown is not None:
+            keep, tail = grown
+            ids = base_ids[:keep]
+            ids += tail
+            packed = base_packed[: 4 * keep] + pack_tokens(tail)
+            self.counters["prefix_hits"] += 1
+            self.counters["tokens_reused"] += keep
+            self.counters["tokens_encoded"] += len(tail)
+            cache.drop(ident)  # superseded: the new text extends it
+        else:
+            ids = list(self.impl.encode(text))
+            packed = pack_tokens(ids)
+            self.counters["misses"] += 1
+            self.counters["tokens_encoded"] += len(ids)
+        cache.put(text, (ids, packed), sys.getsizeof(text) + 56 + 40 * len(ids) + 33 + len(packed), probe)
+        return TokenIds(ids, packed)
 
     async def prompt_tokens(self, prompt: str) -> list[int]:
-        return list(self.impl.encode(prompt))
+        if not isinstance(prompt, str):
+            raise TokenizeError("prompt must be a string")
+        return self.encode(prompt)
 
     async def chat_tokens(
         self,
@@ -382,6 +574,12 @@ class PluginTokenizer:
         tools: Sequence[Mapping[str, Any]] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
+        if self._render is not None:
+            try:
+                text = self._render(messages, add_generation_prompt)
+            except ValueError as exc:
+                raise TokenizeError(f"chat template: {exc}") from None
+            return self.encode(text)
         return list(self.impl.encode_chat(messages, add_generation_prompt=add_generation_prompt))
 
 
@@ -430,6 +628,15 @@ class Tokenizers:
             src = RemoteTokenizer(self.client, lambda: self.worker_urls_for(model), model)
         self._sources[model] = src
         return src
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        """Per model whose token source has a prefix cache, its counters and size (for export)."""
+        out = {}
+        for model, src in self._sources.items():
+            stats = getattr(src, "stats", None)
+            if callable(stats):
+                out[model] = stats()
+        return out
 
     async def tokens_for_body(self, model: str, body: Mapping[str, Any]) -> list[int]:
         """The prompt tokens of an OpenAI request body (``messages`` for chat, ``prompt`` for completions)."""

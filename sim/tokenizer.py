@@ -95,13 +95,36 @@ class Tokenizer(Protocol):
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]: ...
 
 
+def extend_ids(prefix: str, prefix_count: int, text: str) -> tuple[int, list[int]] | None:
+    """How :func:`tokenize` of ``text`` follows from its ``prefix``'s ``prefix_count`` ids: keep the first
+    ``keep`` of them, then ``tail`` (None when ``text`` does not start with ``prefix``). Pieces are
+    whitespace-delimited (``str.split``), so only the prefix's last piece can change, and only when
+    neither side of the cut is whitespace."""
+    if not text.startswith(prefix):
+        return None
+    rest = text[len(prefix) :]
+    if not prefix or not rest or prefix[-1].isspace() or rest[0].isspace():
+        return prefix_count, tokenize(rest)
+    start = len(prefix)
+    while start > 0 and not prefix[start - 1].isspace():
+        start -= 1
+    return prefix_count - 1, tokenize(text[start:])
+
+
 class BuiltinTokenizer:
-    """The default: :func:`tokenize` and :func:`encode_chat`."""
+    """The default: :func:`tokenize` and :func:`encode_chat` (``extend`` and ``render_chat`` let the
+    router's plugin tokenizer cache it by text prefix)."""
 
     name = "builtin"
 
     def encode(self, text: str) -> list[int]:
         return tokenize(text)
+
+    def extend(self, prefix: str, prefix_count: int, text: str) -> tuple[int, list[int]] | None:
+        return extend_ids(prefix, prefix_count, text)
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+        return render_chat(messages, add_generation_prompt)
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         return encode_chat(messages, add_generation_prompt)

@@ -86,7 +86,7 @@ def test_growing_conversation_reuses_the_cached_prefix_exactly(local: LocalToken
         messages.append({"role": "user", "content": f"question {turn}: the quick brown fox {turn * 7}"})
         assert local.encode_chat(messages) == full_chat(local, messages)
         messages.append({"role": "assistant", "content": f"answer {turn} jumps over the lazy dog"})
-    assert local.stats["prefix_hits"] >= 6
+    assert local.stats()["prefix_hits"] >= 6
 
 
 @settings(max_examples=60, deadline=None)

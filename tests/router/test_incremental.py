@@ -1,0 +1,239 @@
+"""Incremental tokenization and incremental block keys equal the from-scratch results, whatever the growth.
+
+Random sessions of prompts that grow, get edited in the middle, truncated or repeated, through the local
+``tokenizers`` path (a BPE built here), its chat template and the simulated workers' built-in tokenizer,
+then through the key-chain cache; and neither cache ever holds more than its configured bytes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from kvroute.indexer.keys import KeyChainCache, TokenIds, pack_tokens, request_keys
+from kvroute.router.tokens import LocalTokenizer, PluginTokenizer
+from kvroute.sim.tokenizer import encode_chat, tokenize
+
+from tests.router.test_tokens import build_model_folder
+
+#: Pieces that stress the pre-tokenizer around cuts: spaces, runs of them, newlines, tabs, specials,
+#: multi-byte characters (several byte-level tokens per character) and digits.
+PIECES = [
+    *"ab cé\n\t!<|>_",
+    " ",
+    "  ",
+    "    ",
+    "\n\n",
+    "fox",
+    " dog",
+    " the quick brown fox",
+    " jumps over the lazy dog.",
+    "12345",
+    "日本語",
+    "🦊",
+    "<|im_end|>",
+    "<|im_start|>",
+    "<s>",
+]
+TEXT = st.lists(st.sampled_from(PIECES), max_size=40).map("".join)
+
+#: One step of a session: append, edit in the middle, truncate, or repeat the previous text.
+STEP = st.one_of(
+    st.tuples(st.just("append"), TEXT, st.integers(0, 0)),
+    st.tuples(st.just("edit"), TEXT, st.integers(0, 10_000)),
+    st.tuples(st.just("truncate"), st.just(""), st.integers(0, 10_000)),
+    st.tuples(st.just("repeat"), st.just(""), st.integers(0, 0)),
+)
+SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+def apply(text: str, step: tuple[str, str, int]) -> str:
+    kind, piece, at = step
+    if kind == "append":
+        return text + piece
+    if kind == "edit":
+        i = at % (len(text) + 1)
+        return text[:i] + piece + text[i + 1 :]
+    if kind == "truncate":
+        return text[: at % (len(text) + 1)]
+    return text
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_model_folder(tmp_path_factory.mktemp("model"))
+
+
+def scratch_prompt(tok: LocalTokenizer, text: str) -> list[int]:
+    return tok.tokenizer.encode(text, add_special_tokens=True).ids
+
+
+@SETTINGS
+@given(
+    start=st.lists(st.sampled_from(PIECES), min_size=20, max_size=200).map("".join), steps=st.lists(STEP, max_size=12)
+)
+def test_local_prompts_equal_full_encodes(model_folder: Path, start: str, steps: list[tuple[str, str, int]]) -> None:
+    tok = LocalTokenizer(model_folder)
+    text = start
+    for step in [("repeat", "", 0), *steps]:
+        text = apply(text, step)
+        got = tok.encode_prompt(text)
+        assert got == scratch_prompt(tok, text)
+        assert isinstance(got, TokenIds) and got.packed == pack_tokens(got)
+        assert tok.encode_raw(text) == tok.tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def test_local_long_growth_reuses_and_stays_exact(model_folder: Path) -> None:
+    """A prompt of thousands of tokens growing by a sentence: each turn encodes only its tail."""
+    tok = LocalTokenizer(model_folder)
+    text = "You are a helpful assistant." * 200
+    for turn in range(12):
+        text += f" The quick brown fox {turn} jumps over the lazy dog.\n\n" * 3
+        assert tok.encode_prompt(text) == scratch_prompt(tok, text)
+    stats = tok.stats()
+    assert stats["prefix_hits"] == 11 and stats["misses"] == 1 and stats["fallbacks"] == 0
+    assert stats["tokens_encoded"] < 2 * len(scratch_prompt(tok, text))
+    # An edit near the start reuses nothing after it; a truncation re-encodes only past its cut.
+    edited = "X" + text[1:]
+    assert tok.encode_prompt(edited) == scratch_prompt(tok, edited)
+    assert tok.encode_prompt(text[: len(text) // 2]) == scratch_prompt(tok, text[: len(text) // 2])
+
+
+CHAT_CONTENT = st.lists(st.sampled_from(PIECES), max_size=25).map("".join)
+
+
+@SETTINGS
+@given(
+    contents=st.lists(CHAT_CONTENT, min_size=1, max_size=8),
+    edit=st.integers(0, 100),
+    cut=st.integers(0, 100),
+)
+def test_chat_growth_edits_and_truncations_equal_full_renders(
+    model_folder: Path, contents: list[str], edit: int, cut: int
+) -> None:
+    tok = LocalTokenizer(model_folder)
+    assert tok.template is not None
+
+    def full(messages: list[dict[str, str]], gen: bool = True) -> list[int]:
+        assert tok.template is not None
+        return tok.tokenizer.encode(
+            tok.template.render(messages, add_generation_prompt=gen), add_special_tokens=False
+        ).ids
+
+    messages: list[dict[str, str]] = [{"role": "system", "content": "You are a helpful assistant."}]
+    for i, content in enumerate(contents):
+        messages.append({"role": "user" if i % 2 == 0 else "assistant", "content": content})
+        assert tok.encode_chat(messages) == full(messages)
+        assert tok.encode_chat(messages, add_generation_prompt=False) == full(messages, False)
+    edited = [dict(m) for m in messages]
+    k = edit % len(edited)
+    edited[k]["content"] = "edited " + edited[k]["content"][::-1]
+    assert tok.encode_chat(edited) == full(edited)
+    short = messages[: 1 + cut % len(messages)]
+    assert tok.encode_chat(short) == full(short)
+
+
+SIM_WORD = st.sampled_from(["a", "b", "fox", "dog", "日本", "x1", "", " ", "  ", "\n", "\t", "é"])
+SIM_TEXT = st.lists(SIM_WORD, max_size=30).map("".join)
+
+
+@SETTINGS
+@given(start=SIM_TEXT, steps=st.lists(st.one_of(st.tuples(st.just("append"), SIM_TEXT, st.just(0)), STEP), max_size=12))
+def test_sim_builtin_prompts_equal_full_tokenizations(start: str, steps: list[tuple[str, str, int]]) -> None:
+    tok = PluginTokenizer("python:kvroute.sim.tokenizer:BuiltinTokenizer")
+    text = start * 5
+    for step in [("repeat", "", 0), *steps]:
+        text = apply(text, step)
+        got = tok.encode(text)
+        assert got == tokenize(text)
+        assert isinstance(got, TokenIds) and got.packed == pack_tokens(got)
+
+
+async def test_sim_builtin_chat_grows_incrementally() -> None:
+    tok = PluginTokenizer("python:kvroute.sim.tokenizer:BuiltinTokenizer")
+    messages = [{"role": "system", "content": "You are a helpful assistant. " * 50}]
+    for turn in range(6):
+        messages.append({"role": "user", "content": f"question {turn} the quick brown fox"})
+        assert await tok.chat_tokens(messages) == encode_chat(messages)
+        messages.append({"role": "assistant", "content": f"answer {turn}"})
+    assert tok.stats()["prefix_hits"] >= 5
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    start=st.lists(st.integers(0, 2**32 - 1), min_size=0, max_size=400),
+    steps=st.lists(
+        st.tuples(
+            st.sampled_from(["append", "edit", "truncate", "repeat"]),
+            st.lists(st.integers(0, 2**32 - 1), max_size=80),
+            st.integers(0, 10_000),
+        ),
+        max_size=12,
+    ),
+    block=st.sampled_from([1, 4, 16]),
+    salt=st.sampled_from([None, "tenant"]),
+    lora=st.sampled_from([None, "adapter"]),
+    max_bytes=st.sampled_from([0, 4_000, 40_000, 1 << 20]),
+    packed=st.booleans(),
+)
+def test_incremental_keys_equal_from_scratch(
+    start: list[int],
+    steps: list[tuple[str, list[int], int]],
+    block: int,
+    salt: str | None,
+    lora: str | None,
+    max_bytes: int,
+    packed: bool,
+) -> None:
+    cache = KeyChainCache(max_bytes)
+    tokens = list(start)
+    for kind, piece, at in [("repeat", [], 0), *steps]:
+        i = at % (len(tokens) + 1)
+        if kind == "append":
+            tokens = tokens + piece
+        elif kind == "edit":
+            tokens = tokens[:i] + piece + tokens[i + 1 :]
+        elif kind == "truncate":
+            tokens = tokens[:i]
+        given_tokens = TokenIds(tokens, pack_tokens(tokens)) if packed else tokens
+        got = cache.keys(given_tokens, block, "m", lora_name=lora, cache_salt=salt)
+        assert got == request_keys(tokens, block, "m", lora_name=lora, cache_salt=salt)
+        # Another context never borrows this one's chain.
+        assert cache.keys(tokens, block, "other", cache_salt=salt) == request_keys(
+            tokens, block, "other", cache_salt=salt
+        )
+        assert cache.size_bytes <= cache.max_bytes
+
+
+def test_key_cache_hashes_only_new_blocks() -> None:
+    cache = KeyChainCache()
+    tokens = list(range(100_000, 100_000 + 16 * 2048))
+    cache.keys(tokens, 16, "m")
+    grown = tokens + list(range(7, 7 + 200))
+    assert cache.keys(grown, 16, "m") == request_keys(grown, 16, "m")
+    stats = cache.stats()
+    assert stats["prefix_hits"] == 1 and stats["blocks_hashed"] == 2048 + (2048 * 16 + 200) // 16 - 2048
+    assert stats["entries"] == 1  # the prefix's entry was superseded
+
+
+def test_a_stale_packed_buffer_is_not_trusted() -> None:
+    tokens = TokenIds([1, 2, 3, 4], pack_tokens([1, 2, 3, 4]))
+    tokens.append(5)  # a mutation the carried bytes do not follow: the length check repacks
+    assert KeyChainCache().keys(tokens, 1, "m") == request_keys([1, 2, 3, 4, 5], 1, "m")
+
+
+@SETTINGS
+@given(texts=st.lists(st.lists(st.sampled_from(PIECES), min_size=30, max_size=300).map("".join), max_size=12))
+def test_tokenizer_caches_stay_within_their_bytes(model_folder: Path, texts: list[str]) -> None:
+    local = LocalTokenizer(model_folder, cache_bytes=60_000)
+    sim = PluginTokenizer("python:kvroute.sim.tokenizer:BuiltinTokenizer", cache_bytes=20_000)
+    grown = ""
+    for text in texts:
+        grown += text
+        for t in (text, grown):
+            assert local.encode_prompt(t) == scratch_prompt(local, t)
+            assert sim.encode(t) == tokenize(t)
+            assert local.stats()["bytes"] <= 60_000 and sim.stats()["bytes"] <= 20_000
+    assert LocalTokenizer(model_folder, cache_bytes=0).encode_prompt("abc") == scratch_prompt(local, "abc")
