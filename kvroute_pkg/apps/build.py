@@ -23,6 +23,7 @@ from kvroute.indexer.subscriber import EventSubscriber, WorkerSpec, subscriber_o
 from kvroute.policies import Policy, create_policy
 from kvroute.policies.base import ModelFigures, PoolContext
 from kvroute.router.app import create_app
+from kvroute.router.cache_metrics import PrefixCacheCollector
 from kvroute.router.conversations import ConversationStore, MemoryConversationStore, RedisConversationStore
 from kvroute.router.discovery import build_discovery
 from kvroute.router.discovery.event_sources import EventSourceProbe
@@ -204,6 +205,14 @@ def build_state(
         services.append(Closing("conversation store", conversations.close))
     services.append(Closing("index backend", indexer.backend.close))
     services.append(Closing("upstream transport", transport.aclose))
+    metrics.registry.register(
+        PrefixCacheCollector(
+            lambda: {
+                **{("tokens", model): stats for model, stats in tokenizers.stats().items()},
+                ("block_keys", "*"): indexer.lookups.key_cache.stats(),
+            }
+        )
+    )
     state = RouterState(c, registry, flow, forwarder, transport, metrics, indexer, tokenizers, subscriptions)
     state.services = [*services, *(make(state) for make in extra_services)]
     return state

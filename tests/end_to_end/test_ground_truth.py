@@ -48,3 +48,21 @@ async def test_predicted_and_served_cached_tokens_per_source(client: httpx.Async
         )
     assert engine.get("device", 0) == served  # a GPU-only fleet: every hit from the device
     assert predicted.get("device", 0) == served  # and the router predicted exactly that
+
+
+async def test_prefix_cache_series_count_a_growing_conversation(client: httpx.AsyncClient) -> None:
+    """An agent's next step repeats its history: the decision path reuses tokens and block keys, and says so."""
+    async with routed_fleet(2) as (fleet, url, _app):
+        history = words(500, "agent")
+        for step in range(4):
+            history += " " + words(40, f"step{step}x")
+            r = await client.post(url + "/v1/completions", json={"model": fleet.model, "prompt": history})
+            assert r.status_code == 200
+        text = (await client.get(url + "/metrics")).text
+    reused = {
+        line.split("event=")[1].split('"')[1]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith('kvroute_prefix_cache_events_total{cache="block_keys"')
+    }
+    assert reused["blocks_reused"] > 0 and reused["prefix_hits"] >= 3
+    assert 'kvroute_prefix_cache_bytes{cache="block_keys",model="*"}' in text
