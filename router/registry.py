@@ -177,6 +177,8 @@ class WorkerRegistry:
         self.probe_timeout_s = probe_timeout_s
         self._tasks: list[asyncio.Task[None]] = []
         self._oneoff: set[asyncio.Task[None]] = set()
+        #: The latest end of any worker's refusal cool-down (0: none): views() filters only before it.
+        self._full_until_max = 0.0
         #: Called with (worker_id, healthy) on each transition (e.g. the indexer purges a dead worker).
         self.listeners: list[Callable[[str, bool], None]] = []
         for cfg in workers:
@@ -232,15 +234,18 @@ class WorkerRegistry:
         just refused a request (admission control) is left out until its cool-down ends, unless every
         candidate is in that state (then all are offered: someone has to take the request)."""
         serving = [s for s in self._workers.values() if s.healthy and (model is None or s.serves(model))]
-        now = time.monotonic()
-        room = [s for s in serving if s.full_until <= now]
-        return [s.view() for s in (room or serving)]
+        if self._full_until_max and time.monotonic() < self._full_until_max:  # someone refused recently
+            now = time.monotonic()
+            room = [s for s in serving if s.full_until <= now]
+            serving = room or serving
+        return [s.view() for s in serving]
 
     def reject(self, worker_id: str, status: int, cooldown_s: float) -> None:
         """``worker_id`` refused a request (503/429 before any byte): treat it as full for ``cooldown_s``."""
         state = self._workers.get(worker_id)
         if state is not None:
             state.full_until = time.monotonic() + cooldown_s
+            self._full_until_max = max(self._full_until_max, state.full_until)
         self._metrics.rejections.labels(worker_id, str(status)).inc()
 
     def knows_model(self, model: str) -> bool:
