@@ -159,8 +159,10 @@ class KvAwarePolicy(Policy):
         allow_remote = p2p and (self.tiers.allows(cls, "CPU", "REMOTE") or self.tiers.allows(cls, "STORAGE", "REMOTE"))
         model = prm.model(request.model)
         prompt = max(0, request.prompt_tokens or 0)
-        cap = max(0, prompt - 1)  # the engine always computes at least the last prompt token
         block = max(1, request.block_size)
+        # vLLM reuses whole blocks only, and never the one holding the last prompt token (it must compute
+        # at least that one): (len - 1) // block_size blocks. A 256-token prompt in 32-token blocks: 224.
+        cap = max(0, prompt - 1) // block * block
         ratio = self.calibrator.hit_ratio
         bpt = model.bytes_per_token
         waits, still_there = self.queue.waits, self.queue.still_there

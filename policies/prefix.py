@@ -105,5 +105,6 @@ class PrefixPolicy(Policy):
     def _plan(self, request: RouteRequest, p: WorkerView, d: WorkerView, reason: str) -> RoutePlan:
         match = request.matches.get(p.id)
         held = (match.blocks if match else 0) * request.block_size
-        cached = min(max(0, (request.prompt_tokens or 0) - 1), held)
+        block = max(1, request.block_size)
+        cached = min(max(0, (request.prompt_tokens or 0) - 1) // block * block, held)  # vLLM: whole blocks only
         return RoutePlan(prefill=p.id, decode=d.id, predicted_cached_tokens=cached, reason=reason, policy=self.name)

@@ -254,8 +254,12 @@ def test_explain_lists_every_candidate_with_a_breakdown_best_first() -> None:
 
 
 def test_cached_tokens_never_reach_the_whole_prompt() -> None:
+    """vLLM reuses (len - 1) // block_size whole blocks: a fully cached 1600-token prompt (100 blocks of 16)
+    is served 99 blocks from cache, the last one recomputed (it holds the last prompt token)."""
     plan = kvaware().choose(request(1600, gpu("w0", 100)), workers(1))
-    assert plan.predicted_cached_tokens == 1599
+    assert plan.predicted_cached_tokens == 1584
+    plan = kvaware().choose(request(1601, gpu("w0", 100)), workers(1))
+    assert plan.predicted_cached_tokens == 1600  # one token more: all 100 blocks are reusable
 
 
 def test_unhealthy_and_missing_workers() -> None:
