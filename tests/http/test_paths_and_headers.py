@@ -6,7 +6,9 @@ Real router, real fake worker (it records every request on any path), real HTTP 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
+from collections.abc import AsyncIterator, Iterator
 
 import httpx
 import pytest
@@ -16,6 +18,7 @@ from kvroute.router.paths import CONTROL_PATHS, canonical_path, proxied
 
 from tests.http.conftest import run_router
 from tests.http.upstream import FakeWorker, serve_worker
+from tests.threaded import in_thread
 
 EVIL_PARAMS = {
     "remote_host": "169.254.169.254",
@@ -152,37 +155,18 @@ def test_client_routing_fields_never_reach_a_worker_on_any_path(
         assert "kv_transfer_params" not in sent, (path, seen["path"])
 
 
+@contextlib.asynccontextmanager
+async def _router_and_worker() -> AsyncIterator[tuple[str, FakeWorker]]:
+    worker = FakeWorker("w")
+    async with serve_worker(worker), run_router([worker.url]) as (url, _app):
+        yield url, worker
+
+
 @pytest.fixture(scope="module")
-def routed() -> object:
+def routed() -> Iterator[tuple[str, FakeWorker]]:
     """One router and worker for the property test (hypothesis runs its examples in this thread)."""
-    import threading
-
-    ready: dict[str, object] = {}
-    stop = threading.Event()
-
-    def run() -> None:
-        async def main() -> None:
-            worker = FakeWorker("w")
-            async with serve_worker(worker), run_router([worker.url]) as (url, _app):
-                ready["value"] = (url, worker)
-                while not stop.is_set():
-                    await asyncio.sleep(0.05)
-
-        try:
-            asyncio.run(main())
-        except BaseException as exc:  # surfaced by the wait below
-            ready["error"] = exc
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    for _ in range(400):
-        if "value" in ready or "error" in ready:
-            break
-        stop.wait(0.05)
-    assert "value" in ready, ready.get("error")
-    yield ready["value"]
-    stop.set()
-    thread.join(10)
+    with in_thread(_router_and_worker) as value:
+        yield value
 
 
 async def test_headers_forwarded_only_from_the_allowlist(client: httpx.AsyncClient) -> None:
