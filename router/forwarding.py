@@ -226,8 +226,15 @@ class Forwarder:
         try:
             ctype = next((v for k, v in upstream.headers if k.lower() == "content-type"), "")
             if ctype.startswith("text/event-stream"):
+                # The client's status line is committed only after a real body byte: a worker that dies
+                # after its headers (killed at that instant) is still retried elsewhere.
                 chunks = upstream.chunks()
-                return upstream, await anext(chunks, b""), chunks
+                first = b""
+                async for chunk in chunks:  # skip empty reads; an exhausted body stays b""
+                    if chunk:
+                        first = chunk
+                        break
+                return upstream, first, chunks
             first = await upstream.read()
             await upstream.aclose()
             return upstream, first, None

@@ -5,9 +5,17 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+import pytest
 
 from tests.http.conftest import run_router
-from tests.http.upstream import FakeWorker, broken_stream_server, free_port, hangup_server, serve_worker
+from tests.http.upstream import (
+    FakeWorker,
+    broken_stream_server,
+    dies_after_headers_server,
+    free_port,
+    hangup_server,
+    serve_worker,
+)
 from tests.polling import eventually as wait_for
 
 COMPLETION = {"model": "m1", "prompt": "hello"}
@@ -122,3 +130,24 @@ async def test_worker_failing_mid_stream_ends_with_an_error_event(client: httpx.
         assert metric(app, "kvroute_upstream_errors_total", worker=wid, kind="protocol") == 1
         # The router is still serving.
         assert (await client.get(url + "/health")).status_code == 200
+
+
+@pytest.mark.parametrize("empty_chunk", [False, True])
+async def test_a_worker_dying_after_its_headers_is_retried_before_any_byte(
+    client: httpx.AsyncClient, http_client: str, empty_chunk: bool
+) -> None:
+    """Killed between its status line and its first body byte: the client's 200 was not sent yet, so the
+    request goes to another worker and the client sees one whole, good stream."""
+    good = FakeWorker("good")
+    async with dies_after_headers_server(empty_chunk=empty_chunk) as bad, serve_worker(good):  # noqa: SIM117
+        async with run_router(
+            [{"url": bad, "models": ["m1"]}, good.url], health_interval_s=60, http_client=http_client
+        ) as (url, app):
+            wid = bad.removeprefix("http://")
+            app.state.kvroute.registry.get(wid).healthy = True
+            answers = [
+                await client.post(url + "/v1/completions", json={**COMPLETION, "stream": True}) for _ in range(4)
+            ]
+    for r in answers:
+        assert r.status_code == 200 and b'"worker":"good"' in r.content and b"[DONE]" in r.content
+        assert b'"error"' not in r.content

@@ -284,3 +284,29 @@ async def broken_stream_server() -> AsyncIterator[str]:
     finally:
         server.close()
         await server.wait_closed()
+
+
+@contextlib.asynccontextmanager
+async def dies_after_headers_server(*, empty_chunk: bool = False) -> AsyncIterator[str]:
+    """Answers a stream's status line and headers, then dies before any body byte (a worker killed at that
+    instant); with ``empty_chunk`` it first sends a zero-length read's worth of nothing but keep-alive."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(Exception):
+            await reader.readuntil(b"\r\n\r\n")
+            head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+            writer.write(head)
+            await writer.drain()
+            if empty_chunk:
+                writer.write(b": \n")  # not even a chunk boundary: bytes that are no part of a body
+                await writer.drain()
+            await asyncio.sleep(0.05)
+        writer.transport.abort()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.close()
+        await server.wait_closed()
