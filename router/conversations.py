@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -39,19 +39,6 @@ def validate_conversation_id(value: Any) -> str:
     if not isinstance(value, str) or not value or len(value) > MAX_ID_LENGTH or not value.isprintable():
         raise ConversationError(f"conversation_id must be a printable string of 1..{MAX_ID_LENGTH} chars")
     return value
-
-
-def pop_conversation_id(body: dict[str, Any], headers: Mapping[str, str]) -> str | None:
-    """Remove ``conversation_id`` from ``body`` (vLLM must not see it) and return it, or the header's.
-
-    The body field wins over the ``X-Conversation-Id`` header when both are given.
-    """
-    from_body = body.pop("conversation_id", None)
-    if from_body is not None:
-        return validate_conversation_id(from_body)
-    lowered = {k.lower(): v for k, v in headers.items()}
-    from_header = lowered.get(CONVERSATION_HEADER)
-    return validate_conversation_id(from_header) if from_header is not None else None
 
 
 def safe_ttl(configured_s: float, retention_s: float = DECODER_RETENTION_S, margin_s: float = 30.0) -> float:

@@ -34,6 +34,13 @@ class KVRouteMetrics:
             ["source"],
             registry=r,
         )
+        self.fidelity = Counter(
+            "kvroute_prediction_fidelity_total",
+            "Checked predictions per API surface (completions, chat, and +salted): exact, over (predicted more "
+            "than the engine served: a tokenizer/template mismatch or a stale index) or under",
+            ["surface", "outcome"],
+            registry=r,
+        )
         self.stale = Counter(
             "kvroute_stale_decisions_total",
             "Decisions that predicted a hit the engine did not have (more than a block short)",

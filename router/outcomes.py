@@ -15,12 +15,20 @@ from kvroute.router.facts import Facts
 from kvroute.router.forwarding import Result
 from kvroute.router.kv_metrics import KVRouteMetrics
 from kvroute.router.metrics import RouterMetrics
-from kvroute.router.requests import ParsedRequest
+from kvroute.router.requests import CHAT, COMPLETIONS, ParsedRequest
 
 log = logging.getLogger("kvroute.outcomes")
 
 #: The plan's tiers as vLLM's ``prompt_tokens_cached_by_source`` names where cached tokens came from.
 SOURCE_OF_TIER = {"GPU": "device", "CPU": "host", "STORAGE": "disk", "REMOTE": "p2p"}
+
+
+def surface_of(request: ParsedRequest) -> str:
+    """The API surface a prediction is checked on: a tokenizer or template mismatch shows on one of them."""
+    surface = "chat" if request.route == CHAT else "completions" if request.route == COMPLETIONS else "other"
+    if request.json is not None and request.json.get("cache_salt"):
+        surface += "+salted"
+    return surface
 
 
 class Outcomes:
@@ -94,5 +102,8 @@ class Outcomes:
         if isinstance(reported, int):
             kv.checked.labels(model).inc()
             kv.reported.labels(model).inc(reported)
+            predicted = plan.predicted_cached_tokens
+            outcome = "exact" if predicted == reported else "over" if predicted > reported else "under"
+            kv.fidelity.labels(surface_of(request), outcome).inc()
             if plan.predicted_cached_tokens > reported + facts.route.block_size:
                 kv.stale.labels(model).inc()

@@ -202,7 +202,12 @@ def parse_request(
     return request
 
 
-_READ_HEADERS = frozenset({b"x-kvroute-latency-class", b"x-kvroute-debug", CONVERSATION_HEADER.encode()})
+#: vLLM's own session key (body ``session_id`` or this header): also a conversation key for the router,
+#: but forwarded, never popped — the engine reads it too (and tags its KV events with it).
+SESSION_HEADER = b"x-session-id"
+_READ_HEADERS = frozenset(
+    {b"x-kvroute-latency-class", b"x-kvroute-debug", CONVERSATION_HEADER.encode(), SESSION_HEADER}
+)
 
 
 def _take_client_fields(
@@ -229,6 +234,10 @@ def _take_client_fields(
                     request.conversation_id = validate_conversation_id(given)
             if request.conversation_id is None and CONVERSATION_HEADER.encode() in headers:
                 request.conversation_id = validate_conversation_id(headers[CONVERSATION_HEADER.encode()])
+            if request.conversation_id is None:  # vLLM's session id keys the conversation too (kept in place)
+                session = data.get("session_id", headers.get(SESSION_HEADER))
+                if session is not None:
+                    request.conversation_id = validate_conversation_id(session)
         except ConversationError as exc:
             raise ApiError(400, str(exc), "invalid_conversation_id") from None
     if changed:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
+import orjson
 import pytest
 from kvroute.indexer.keys import root_key
 from kvroute.router.conversations import (
@@ -14,9 +15,10 @@ from kvroute.router.conversations import (
     MemoryConversationStore,
     RedisConversationStore,
     entry_from_turn,
-    pop_conversation_id,
     safe_ttl,
 )
+from kvroute.router.errors import ApiError
+from kvroute.router.requests import ParsedRequest, parse_request
 
 ENTRY = ConversationEntry(
     worker_id="d1",
@@ -117,14 +119,24 @@ def test_safe_ttl_stays_below_retention() -> None:
         safe_ttl(10.0, retention_s=5.0, margin_s=10.0)
 
 
-def test_conversation_id_from_body_or_header() -> None:
-    body = {"model": "m", "conversation_id": "abc"}
-    assert pop_conversation_id(body, {"X-Conversation-Id": "hdr"}) == "abc"
-    assert "conversation_id" not in body
-    assert pop_conversation_id({"model": "m"}, {"x-conversation-id": "hdr"}) == "hdr"
-    assert pop_conversation_id({"model": "m"}, {}) is None
-    with pytest.raises(ConversationError):
-        pop_conversation_id({"conversation_id": 12}, {})
+def test_conversation_id_from_body_header_or_session() -> None:
+    """The router's conversation key: ``conversation_id`` (body, popped: vLLM must not see it), else the
+    X-Conversation-Id header, else vLLM's own ``session_id`` / X-Session-ID (kept: the engine reads it)."""
+
+    def parse(body: dict[str, object], headers: dict[str, str] | None = None) -> ParsedRequest:
+        raw = [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+        return parse_request("POST", "/v1/completions", raw, orjson.dumps({"prompt": "x", **body}))
+
+    first = parse({"model": "m", "conversation_id": "abc"}, {"X-Conversation-Id": "hdr"})
+    assert first.conversation_id == "abc" and "conversation_id" not in orjson.loads(first.body)
+    assert parse({"model": "m"}, {"x-conversation-id": "hdr"}).conversation_id == "hdr"
+    assert parse({"model": "m"}).conversation_id is None
+    session = parse({"model": "m", "session_id": "s1"})
+    assert session.conversation_id == "s1" and orjson.loads(session.body)["session_id"] == "s1"
+    assert parse({"model": "m"}, {"X-Session-ID": "s2"}).conversation_id == "s2"
+    with pytest.raises(ApiError) as refused:
+        parse({"model": "m", "conversation_id": 12})
+    assert refused.value.status == 400
 
 
 def test_reusable_tokens_checks_the_new_prompt_extends_the_old_turn() -> None:
