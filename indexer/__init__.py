@@ -16,6 +16,9 @@ Nothing here knows about HTTP: the router and the standalone indexer process dri
 - ``lookup``: a request's tokens -> keys -> per-entity matches.
 - ``stats``: what the admin API shows.
 - ``maintenance``: the indexer-owned periodic upkeep (gone workers, backend recovery, TTL refresh).
+- ``subscriber``: the ZMQ event consumer per worker or on one bound socket; ``replays`` its per-worker
+  replay jobs (gap fill, restart check against the replay buffer, resync); ``sockets`` socket set-up,
+  reconnects and ZAP/CURVE admission; ``reconciliation`` the periodic check against the engines' counts.
 - ``service``: ``KVIndexer``, the facade composing the above (what callers hold).
 - ``subscriber``: ZMQ sockets feeding a ``KVIndexer`` (it only consumes events).
 
