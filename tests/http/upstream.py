@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -254,13 +254,8 @@ async def hangup_server() -> AsyncIterator[str]:
             await reader.read(65536)
         writer.close()
 
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.close()
-        await server.wait_closed()
+    async with raw_server(handle) as url:
+        yield url
 
 
 @contextlib.asynccontextmanager
@@ -277,13 +272,8 @@ async def broken_stream_server() -> AsyncIterator[str]:
             await asyncio.sleep(0.05)
         writer.transport.abort()
 
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.close()
-        await server.wait_closed()
+    async with raw_server(handle) as url:
+        yield url
 
 
 @contextlib.asynccontextmanager
@@ -303,6 +293,16 @@ async def dies_after_headers_server(*, empty_chunk: bool = False) -> AsyncIterat
             await asyncio.sleep(0.05)
         writer.transport.abort()
 
+    async with raw_server(handle) as url:
+        yield url
+
+
+Handle = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+@contextlib.asynccontextmanager
+async def raw_server(handle: Handle) -> AsyncIterator[str]:
+    """A TCP server on a free loopback port speaking whatever ``handle`` writes; yields its base URL."""
     server = await asyncio.start_server(handle, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     try:
