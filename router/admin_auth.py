@@ -32,13 +32,18 @@ def _is_loopback(host: str | None) -> bool:
         return host == "localhost"
 
 
+def bearer_matches(request: Request, token: str) -> bool:
+    """Whether the request carries ``Authorization: Bearer <token>`` (compared in constant time)."""
+    scheme, _, value = request.headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(), token.encode())
+
+
 def check_admin(request: Request, token: Token, *, read_only: bool | None = None) -> None:
     """Raise 401/403 unless ``request`` may use this admin route (``token`` may be read per request).
     ``read_only`` overrides what the method says (a POST that only computes, like explain or a lookup)."""
     configured = token() if callable(token) else token
     if configured:
-        scheme, _, value = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), configured.encode()):
+        if not bearer_matches(request, configured):
             raise ApiError(401, "admin endpoints need 'Authorization: Bearer <admin token>'", "unauthorized")
         return
     if not (request.method in _READ_ONLY if read_only is None else read_only):

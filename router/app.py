@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -20,6 +19,7 @@ from typing import Any
 import orjson
 from fastapi import APIRouter
 from kvroute.router.admin import build_admin_app
+from kvroute.router.admin_auth import bearer_matches
 from kvroute.router.errors import ApiError, api_error_response, error_response
 from kvroute.router.http_body import ClientGone, read_body, until_disconnect
 from kvroute.router.metrics import CONTENT_TYPE
@@ -27,7 +27,6 @@ from kvroute.router.paths import canonical_path
 from kvroute.router.requests import (
     CHAT,
     COMPLETIONS,
-    FORWARDED_HEADERS,
     ParsedRequest,
     parse_request,
     request_id_from,
@@ -138,7 +137,6 @@ def _endpoint(state: RouterState, *, generation: bool) -> Endpoint:
     limit = state.config.max_body_bytes
     body_timeout = state.config.body_timeout_s
     mode = state.config.pool.client_kv_params
-    forwarded = FORWARDED_HEADERS | {h.lower() for h in state.config.forward_headers}
     flow = state.flow
 
     async def endpoint(request: Request) -> Response:
@@ -155,7 +153,7 @@ def _endpoint(state: RouterState, *, generation: bool) -> Endpoint:
                 body,
                 client_kv_params=mode,
                 request_id=request_id,
-                forward_headers=forwarded,
+                forward_headers=state.forwarded_headers,
                 query=request.scope.get("query_string", b"").decode("latin-1"),
             )
             if generation:
@@ -222,10 +220,8 @@ def _ready(state: RouterState) -> Callable[[Request], Any]:
 def _metrics(state: RouterState) -> Callable[[Request], Any]:
     async def endpoint(request: Request) -> Response:
         token = state.config.metrics_token
-        if token:
-            scheme, _, value = request.headers.get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), token.encode()):
-                return error_response(401, "/metrics needs 'Authorization: Bearer <metrics token>'", "unauthorized")
+        if token and not bearer_matches(request, token):
+            return error_response(401, "/metrics needs 'Authorization: Bearer <metrics token>'", "unauthorized")
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
     return endpoint

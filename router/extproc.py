@@ -36,7 +36,7 @@ from google.protobuf import struct_pb2
 from kvroute.router.errors import ApiError, error_body
 from kvroute.router.flow import DP_RANK_HEADER, Decision
 from kvroute.router.forwarding import Result, UsageSniffer, usage_of
-from kvroute.router.requests import FORWARDED_HEADERS, GENERATION_ROUTES, parse_request
+from kvroute.router.requests import GENERATION_ROUTES, parse_request
 from kvroute.router.state import RouterState
 
 log = logging.getLogger("kvroute.epp")
@@ -319,7 +319,7 @@ class Exchange:
             body,
             client_kv_params=self.state.config.pool.client_kv_params,
             request_id=self.request_id,
-            forward_headers=FORWARDED_HEADERS | {h.lower() for h in self.state.config.forward_headers},
+            forward_headers=self.state.forwarded_headers,
             query=query,
         )
         flow = self.state.flow

@@ -18,6 +18,7 @@ from kvroute.router.flow import RequestFlow
 from kvroute.router.forwarding import Forwarder
 from kvroute.router.metrics import RouterMetrics
 from kvroute.router.registry import WorkerRegistry
+from kvroute.router.requests import FORWARDED_HEADERS
 from kvroute.router.subscriptions import SubscriptionSync
 from kvroute.router.tokens import Tokenizers
 from kvroute.router.transport import Transport
@@ -45,10 +46,22 @@ class RouterState:
     subscriptions: SubscriptionSync | None = None
     services: Sequence[Service] = ()
     started_at: float = field(default_factory=time.time)
+    _forwarded: frozenset[str] = FORWARDED_HEADERS
+    _forwarded_for: RouterConfig | None = None
 
     @property
     def policy(self) -> Policy:
         return self.flow.policy
+
+    @property
+    def forwarded_headers(self) -> frozenset[str]:
+        """The client headers a worker gets: the built-in allowlist plus the config's ``forward_headers``
+        (computed once per config: a reload that replaces the config is seen at once)."""
+        config = self.config
+        if self._forwarded_for is not config:
+            self._forwarded = FORWARDED_HEADERS | {h.lower() for h in config.forward_headers}
+            self._forwarded_for = config
+        return self._forwarded
 
     def routing_basis(self) -> dict[str, object]:
         """What the KV-aware decision can see: per worker, KV events or load only."""
