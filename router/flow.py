@@ -23,7 +23,7 @@ from typing import Any
 
 import orjson
 from kvroute.logs import RateLimitedLog
-from kvroute.policies.base import NoWorkerError, Policy, RoutePlan
+from kvroute.policies.base import NoWorkerError, Policy, RoutePlan, WorkerView
 from kvroute.router.conversations import ConversationStore, entry_from_turn
 from kvroute.router.errors import ApiError, model_not_found, no_healthy_worker
 from kvroute.router.facts import FactGatherer, Facts
@@ -49,6 +49,8 @@ class Decision:
     request: ParsedRequest
     facts: Facts
     plan: RoutePlan
+    #: The candidates the policy saw (the rewrite names peers among them, without asking the registry again).
+    views: list[WorkerView]
 
 
 @dataclass(slots=True)
@@ -199,7 +201,7 @@ class RequestFlow:
                 plan.kv_source,
                 plan.reason,
             )
-        return Decision(request, facts, plan)
+        return Decision(request, facts, plan, views)
 
     # ------------------------------------------------------------------ rewrite
 
@@ -211,7 +213,7 @@ class RequestFlow:
         if not self._needs_params(request, plan):
             return Delivery(plan.prefill, request.body)
         assert request.json is not None
-        views = {v.id: v for v in self.registry.views(request.model)}
+        views = {v.id: v for v in decision.views}
         entry = decision.facts.conversation
         try:
             legs = build_legs(
