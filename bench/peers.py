@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import statistics
@@ -45,13 +46,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import httpx
 import workloads
+import yaml
 from kvroute.experiment import (
     FleetSpec,
     PolicyRun,
@@ -64,10 +66,13 @@ from kvroute.experiment import (
     scrape,
     wait_until_ready,
 )
-from kvroute.report import pyplot
+from kvroute.report import pyplot, save_figure
 from kvroute.sim.presets import get_preset
 from kvroute.sim.replay import percentile, replay
 from kvroute.sim.traces import Trace
+from receipts import load as load_receipts
+from receipts import render as render_receipts
+from receipts import summarize as receipt_summary
 from routing import figures, metric_samples, metric_total, oracle_cached
 
 # -- routers ------------------------------------------------------------------------------------------------------
@@ -158,7 +163,8 @@ def peer_mode(router: Router, native_pd: bool) -> str:
     return "plain workers"
 
 
-def _peer_ready(router: Router, base: str, n_workers: int) -> bool:
+def peer_ready(router: Router, base: str, n_workers: int) -> bool:
+    """The peer answers ``/v1/models`` and (smg) lists every worker as healthy."""
     if not answers_ok(base + "/v1/models"):
         return False
     if router.kind != "smg":
@@ -168,6 +174,55 @@ def _peer_ready(router: Router, base: str, n_workers: int) -> bool:
     except (httpx.HTTPError, ValueError):
         return False
     return len(listed) >= n_workers and all(w.get("is_healthy", True) for w in listed)
+
+
+@dataclass(frozen=True, slots=True)
+class Running:
+    """A started router: where clients send requests, where its metrics are, its process id."""
+
+    base: str
+    metrics_url: str
+    pid: int
+
+
+@contextlib.contextmanager
+def peer_process(
+    router: Router, exe: Path, config: dict[str, Any], workdir: Path, *, pd: bool = False
+) -> Iterator[Running]:
+    """The peer in front of the workers of ``config`` (a ``kvroute serve`` config), ready; stopped after."""
+    tag = router.name.replace(":", "-")
+    port, metrics_port = free_port(), free_port()
+    argv = peer_argv(router, exe, config, port, metrics_port, pd=pd)
+    log = workdir / f"router-{tag}.log"
+    base = f"http://127.0.0.1:{port}"
+    with process(argv, log) as proc:
+        n = len(config["workers"])
+        wait_until_ready(lambda: peer_ready(router, base, n), proc, router.name, log)
+        yield Running(base, f"http://127.0.0.1:{metrics_port}/metrics", proc.pid)
+
+
+@contextlib.contextmanager
+def kvroute_process(policy: str, config: dict[str, Any], workdir: Path) -> Iterator[Running]:
+    """``kvroute serve --policy policy`` with ``config`` (the fleet's own, tokenizer included), ready; stopped
+    after."""
+    config = {**config, "policy": policy, "port": free_port()}
+    router_yaml = workdir / f"router-{policy}.yaml"
+    router_yaml.write_text(yaml.safe_dump(config, sort_keys=False))
+    argv = [sys.executable, "-m", "kvroute.apps.cli", "serve", "--config", str(router_yaml), "--log-level", "warning"]
+    base = f"http://127.0.0.1:{config['port']}"
+    log = workdir / f"router-{policy}.log"
+    with process(argv, log) as proc:
+        wait_until_ready(lambda: answers_ok(base + "/ready"), proc, f"kvroute serve --policy {policy}", log)
+        yield Running(base, base + "/metrics", proc.pid)
+
+
+def router_process(
+    router: Router, config: dict[str, Any], workdir: Path, exes: dict[str, Path]
+) -> contextlib.AbstractContextManager[Running]:
+    """Any router of ROUTERS in front of the workers of ``config`` (peers from ``exes``, by kind)."""
+    if router.kind == "kvroute":
+        return kvroute_process(router.policy, config, workdir)
+    return peer_process(router, exes[router.kind], config, workdir)
 
 
 def run_peer(
@@ -184,17 +239,12 @@ def run_peer(
     ``native_pd``: in a P/D fleet, a peer with a vLLM P/D mode uses it (else every worker is plain)."""
     tag = router.name.replace(":", "-")
     with fleet_process(fleet, workdir, tag) as config:
-        port, metrics_port = free_port(), free_port()
-        argv = peer_argv(router, exe, config, port, metrics_port, pd=native_pd and fleet.roles != "both")
-        log = workdir / f"router-{tag}.log"
-        base = f"http://127.0.0.1:{port}"
-        with process(argv, log) as proc:
-            n = len(config["workers"])
-            wait_until_ready(lambda: _peer_ready(router, base, n), proc, router.name, log)
-            model = config["models"][0]["name"]
-            report = asyncio.run(replay(trace, base, model=model, time_scale=fleet.time_scale, on_result=on_result))
+        pd = native_pd and fleet.roles != "both"
+        with peer_process(router, exe, config, workdir, pd=pd) as running:
+            model, scale = config["models"][0]["name"], fleet.time_scale
+            report = asyncio.run(replay(trace, running.base, model=model, time_scale=scale, on_result=on_result))
             time.sleep(0.5)
-            metrics = scrape(f"http://127.0.0.1:{metrics_port}/metrics")
+            metrics = scrape(running.metrics_url)
         workers = {w["id"]: scrape(w["url"].rstrip("/") + "/metrics") for w in config["workers"]}
     return PolicyRun(router.name, report, metrics, workers)
 
@@ -516,12 +566,7 @@ def chart(cells: list[dict[str, Any]], regime: Regime, path: Path, title: str) -
         ax.set_ylabel(f"{label} (ms, simulated hardware)")
         ax.set_title(f"{label} (lower is better)")
     axes[0].legend(fontsize=8)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(plt, fig, path, title)
 
 
 # -- main -----------------------------------------------------------------------------------------------------------
@@ -607,13 +652,20 @@ def run_one(
         progress = Progress(label, trace.n_requests)
         try:
             if router.kind == "kvroute":
-                config = {"pool": {"kv_protocol": regime.kv_protocol}}
+                receipts_path = workdir / f"receipts-{router.policy}.jsonl"
+                receipts_path.unlink(missing_ok=True)  # a retried run starts its receipts over
+                config = {"pool": {"kv_protocol": regime.kv_protocol}, "receipts_path": str(receipts_path)}
                 run = run_policy(router.policy, trace, fleet, workdir=workdir, router_config=config, on_result=progress)
+                explained = receipt_summary(load_receipts([receipts_path])) if receipts_path.exists() else None
             else:
                 exe = exes[router.kind]
                 run = run_peer(router, exe, trace, fleet, workdir=workdir, on_result=progress, native_pd=args.peer_pd)
+                explained = None
             progress.finish()
-            return {**run_figures(run, trace, fleet, args.slo_ms), "attempts": attempt + 1}
+            figs = {**run_figures(run, trace, fleet, args.slo_ms), "attempts": attempt + 1}
+            if explained is not None:
+                figs["receipts"] = explained
+            return figs
         except Exception as exc:  # one router failing must not lose the rest of a long run
             progress.finish()
             error = f"{type(exc).__name__}: {exc}"[:3000]
@@ -649,6 +701,13 @@ def report(results: Results, specs: list[TraceSpec], regimes: list[Regime], args
         )
         if png:
             md += [f"![{regime.name}]({png.name})", ""]
+        explained = [r for r in results.runs if r["regime"] == regime.name and r.get("receipts")]
+        if explained:
+            md += ["Receipts (kvroute's own account of its decisions, per run):", "", "```"]
+            md += [
+                render_receipts(f"{r['trace']} / seed {r['seed']} / {r['router']}", r["receipts"]) for r in explained
+            ]
+            md += ["```", ""]
     failed = [r for r in results.runs if "failed" in r]
     if failed:
         md += ["Failed runs:", ""]

@@ -17,13 +17,12 @@ import asyncio
 import os
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 
-import aiohttp
+from loadgen import Stats, closed_loop
 
 BODY = b'{"model":"m1","prompt":"hello","max_tokens":1}'
 #: The policy kvroute runs with (``--policy``): round_robin measures the proxy itself.
@@ -110,44 +109,12 @@ class Target:
     proc: subprocess.Popen[bytes] | None = None
 
 
-@dataclass
-class Stats:
-    p50_ms: float
-    p99_ms: float
-    rps: float
-
-
 async def load(url: str, requests: int, concurrency: int) -> Stats:
-    latencies: list[float] = []
-    connector = aiohttp.TCPConnector(limit=concurrency, limit_per_host=0)
-    headers = {"content-type": "application/json"}
-    async with aiohttp.ClientSession(connector=connector) as session:
-
-        async def one() -> float:
-            t0 = time.perf_counter()
-            async with session.post(url + "/v1/completions", data=BODY, headers=headers) as resp:
-                await resp.read()
-                if resp.status != 200:
-                    raise RuntimeError(f"{url}: status {resp.status}")
-            return time.perf_counter() - t0
-
-        for _ in range(min(200, requests)):  # warm-up: connections, caches
-            await one()
-        remaining = requests
-
-        async def worker() -> None:
-            nonlocal remaining
-            while remaining > 0:
-                remaining -= 1
-                latencies.append(await one())
-
-        start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        elapsed = time.perf_counter() - start
-    latencies.sort()
-    return Stats(
-        statistics.median(latencies) * 1e3, latencies[int(len(latencies) * 0.99) - 1] * 1e3, len(latencies) / elapsed
-    )
+    """``requests`` small completions at ``concurrency`` (``loadgen.closed_loop``); any failure aborts the run."""
+    stats = await closed_loop(url + "/v1/completions", BODY, requests, concurrency)
+    if stats.errors:
+        raise RuntimeError(f"{url}: {stats.errors} of {stats.requests} requests failed")
+    return stats
 
 
 def kvroute_command(python: str) -> list[str]:

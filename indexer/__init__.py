@@ -13,7 +13,8 @@ Nothing here knows about HTTP: the router and the standalone indexer process dri
 - ``entities``: the registry of models, workers and their data-parallel ranks (entities).
 - ``mirror``: writes to the backend (batched per burst), backend failure, recovery, TTL refresh.
 - ``handler``: one worker message in (decode, sequence verdict, translate, mirror, count) and purges.
-- ``lookup``: a request's tokens -> keys -> per-entity matches.
+- ``lookup``: a request's tokens -> keys -> per-entity matches (doubtful entities left out); ``hybrid`` a
+  hybrid model's hit, the primary KV-cache group's run cut down by the other groups' rules.
 - ``stats``: what the admin API shows.
 - ``maintenance``: the indexer-owned periodic upkeep (gone workers, backend recovery, TTL refresh).
 - ``subscriber``: the ZMQ event consumer per worker or on one bound socket; ``replays`` its per-worker

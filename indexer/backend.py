@@ -87,12 +87,34 @@ class IndexBackend(ABC):
     async def worker_stats(self) -> list[WorkerIndexStats]:
         """Blocks per worker, model and tier."""
 
+    async def presence(self, model: str, keys: Sequence[int]) -> dict[str, int]:
+        """Per worker holding any of ``keys`` (in any tier): a bit mask, bit i set when it holds ``keys[i]``.
+        What a hybrid model's sliding-window groups are asked (their blocks are not a prefix run)."""
+        out: dict[str, int] = {}
+        for i, key in enumerate(keys):
+            for worker, bits in (await self.block_workers(model, key)).items():
+                if bits:
+                    out[worker] = out.get(worker, 0) | (1 << i)
+        return out
+
     async def get_block_size(self, model: str) -> int | None:
         """The block size a writer published for ``model`` (shared backends); None when unknown."""
         return None
 
     async def set_block_size(self, model: str, block_size: int) -> None:  # noqa: B027 - optional hook
         """Publish the block size learnt for ``model`` so readers of a shared index can key requests."""
+
+    async def get_model_meta(self, model: str) -> dict[str, str]:
+        """What a writer published about ``model`` (:meth:`set_model_meta`); empty when nothing."""
+        size = await self.get_block_size(model)
+        return {"block_size": str(size)} if size else {}
+
+    async def set_model_meta(self, model: str, meta: dict[str, str]) -> None:
+        """Publish what readers of a shared index need to key requests: the block size, the lookahead and
+        the KV-cache groups (``ModelInfo.meta``). Backends that keep only a block size keep that."""
+        size = meta.get("block_size", "")
+        if size.isdigit() and int(size) > 0:
+            await self.set_block_size(model, int(size))
 
     async def ping(self) -> bool:
         """True when the backend can serve lookups right now."""

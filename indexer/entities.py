@@ -100,6 +100,9 @@ class Registry:
         self.entities: dict[str, Entity] = {}
         #: Purges since start, of entities present or gone (the stats' total).
         self.purges_total = 0
+        #: Entity (or, for a worker with no entity here, worker) id -> until when (monotonic) its entries
+        #: are doubtful: left out of lookups until its next events (or this deadline).
+        self.doubtful: dict[str, float] = {}
         for model, size in (block_sizes or {}).items():
             self.model_info(model).block_size = size
 
@@ -169,6 +172,30 @@ class Registry:
         worker = self.workers.get(worker_id)
         if worker is not None:
             worker.down_since = None
+
+    # ---- doubt ---------------------------------------------------------------------------------
+
+    def doubt(self, worker_id: str, until: float) -> list[str]:
+        """Set the worker's entries aside until its next events or ``until`` (monotonic): its ranks here,
+        else the worker id itself (a reader of a shared index has no entities). Returns the ids."""
+        ids = [ent.id for ent in self.of_worker(worker_id)] or [worker_id]
+        for ident in ids:
+            self.doubtful[ident] = max(until, self.doubtful.get(ident, 0.0))
+        return ids
+
+    def lift(self, ident: str) -> None:
+        self.doubtful.pop(ident, None)
+
+    def is_doubtful(self, entity: str) -> bool:
+        """Whether a lookup must leave this entity out (its own doubt, or its worker's as a whole)."""
+        for ident in (entity, split_entity(entity)[0]):
+            until = self.doubtful.get(ident)
+            if until is None:
+                continue
+            if time.monotonic() < until:
+                return True
+            del self.doubtful[ident]  # expired: nothing came, the entries count again
+        return False
 
     def down_longer_than(self, grace_s: float) -> list[str]:
         now = time.monotonic()

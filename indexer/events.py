@@ -30,8 +30,11 @@ STORED_FIELDS = (
     "kv_cache_spec_kind",
     "kv_cache_spec_sliding_window",
     "locality",
+    "ownership",
+    "session_id",
+    "lookahead_token_ids",
 )
-REMOVED_FIELDS = ("block_hashes", "medium", "group_idx", "locality")
+REMOVED_FIELDS = ("block_hashes", "medium", "group_idx", "locality", "ownership")
 
 #: Sequence number vLLM's replay socket sends to mark the end of a replay.
 REPLAY_END_SEQ = b"\xff" * 8
@@ -52,7 +55,13 @@ class EventDecodeError(ValueError):
 
 
 class BlockStored(msgspec.Struct, kw_only=True, gc=False):
-    """Blocks newly cached on a worker, in chain order; ``token_ids`` covers all of them."""
+    """Blocks newly cached on a worker, in chain order; ``token_ids`` covers all of them.
+
+    vLLM 0.33's fields the index uses: ``kv_cache_spec_kind`` / ``kv_cache_spec_sliding_window`` (which
+    KV-cache group of a hybrid model ``group_idx`` is; None from older engines), ``ownership`` (the
+    secondary offloading tier that holds the copy; None for the primary one) and ``lookahead_token_ids``
+    (EAGLE lookahead hashing: per block, the tokens after it that its hash covers). ``session_id`` is
+    not decoded: it names the request that stored the blocks, not who may reuse them."""
 
     block_hashes: list[BlockHash]
     parent_block_hash: BlockHash | None = None
@@ -63,7 +72,11 @@ class BlockStored(msgspec.Struct, kw_only=True, gc=False):
     lora_name: str | None = None
     extra_keys: list[Any] | None = None
     group_idx: int = 0
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
     locality: str = "LOCAL"
+    ownership: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
 
     @property
     def is_placeholder(self) -> bool:
@@ -78,6 +91,7 @@ class BlockRemoved(msgspec.Struct, kw_only=True, gc=False):
     medium: str = "GPU"
     group_idx: int = 0
     locality: str = "LOCAL"
+    ownership: str | None = None
 
 
 class AllBlocksCleared(msgspec.Struct, kw_only=True, gc=False):
@@ -132,6 +146,32 @@ def _int_or(value: object, default: int, what: str) -> int:
     return value
 
 
+def _opt_str(value: object, what: str) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise EventDecodeError("bad_field", f"{what} must be a string")
+    return value
+
+
+def _opt_int(value: object, what: str) -> int | None:
+    return None if value is None else _int_or(value, 0, what)
+
+
+def _lookahead(value: object) -> list[list[int]] | None:
+    """``lookahead_token_ids``: a list of token lists (their count and lengths are checked on ingestion)."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(item, list) for item in value):
+        raise EventDecodeError("bad_field", "lookahead_token_ids must be a list of token lists")
+    if len(value) > MAX_BLOCKS_PER_EVENT:
+        raise EventDecodeError("too_large", f"{len(value)} lookahead entries")
+    for item in value:
+        if any(isinstance(t, bool) or not isinstance(t, int) for t in item):
+            raise EventDecodeError("bad_field", "lookahead_token_ids must hold integers")
+    return value
+
+
 def extra_keys_too_deep(value: object, depth: int = MAX_EXTRA_KEYS_DEPTH) -> bool:
     """True when ``value`` nests lists/tuples/maps deeper than ``depth`` (bounded work: stops there)."""
     if isinstance(value, list | tuple):
@@ -174,7 +214,11 @@ def _stored(fields: dict[str, object]) -> BlockStored:
         lora_name=lora_name,
         extra_keys=extra,
         group_idx=_int_or(fields.get("group_idx"), 0, "group_idx"),
+        kv_cache_spec_kind=_opt_str(fields.get("kv_cache_spec_kind"), "kv_cache_spec_kind") or None,
+        kv_cache_spec_sliding_window=_opt_int(fields.get("kv_cache_spec_sliding_window"), "sliding window"),
         locality=_str_or(fields.get("locality"), "LOCAL", "locality").upper(),
+        ownership=_opt_str(fields.get("ownership"), "ownership"),
+        lookahead_token_ids=_lookahead(fields.get("lookahead_token_ids")),
     )
 
 
@@ -184,6 +228,7 @@ def _removed(fields: dict[str, object]) -> BlockRemoved:
         medium=_str_or(fields.get("medium"), "GPU", "medium").upper(),
         group_idx=_int_or(fields.get("group_idx"), 0, "group_idx"),
         locality=_str_or(fields.get("locality"), "LOCAL", "locality").upper(),
+        ownership=_opt_str(fields.get("ownership"), "ownership"),
     )
 
 
@@ -265,8 +310,8 @@ def _event_fields(event: KVEvent) -> tuple[str, list[tuple[str, Any]]]:
             ("lora_name", event.lora_name),
             ("extra_keys", event.extra_keys),
             ("group_idx", event.group_idx),
-            ("kv_cache_spec_kind", "full_attention"),
-            ("kv_cache_spec_sliding_window", None),
+            ("kv_cache_spec_kind", event.kv_cache_spec_kind or "full_attention"),
+            ("kv_cache_spec_sliding_window", event.kv_cache_spec_sliding_window),
             ("locality", event.locality),
         ]
         return "BlockStored", values

@@ -38,7 +38,11 @@ class _StoredMap(msgspec.Struct, tag="BlockStored", tag_field="type", gc=False):
     lora_name: str | None = None
     extra_keys: list[Any] | None = None
     group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
     locality: str | None = None
+    ownership: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
 
 
 class _RemovedMap(msgspec.Struct, tag="BlockRemoved", tag_field="type", gc=False):
@@ -46,6 +50,7 @@ class _RemovedMap(msgspec.Struct, tag="BlockRemoved", tag_field="type", gc=False
     medium: str | None = None
     group_idx: int | None = None
     locality: str | None = None
+    ownership: str | None = None
 
 
 class _ClearedMap(msgspec.Struct, tag="AllBlocksCleared", tag_field="type", gc=False):
@@ -62,9 +67,12 @@ class _StoredArray(msgspec.Struct, tag="BlockStored", array_like=True, gc=False)
     lora_name: str | None = None
     extra_keys: list[Any] | None = None
     group_idx: int | None = None
-    kv_cache_spec_kind: Any = None
-    kv_cache_spec_sliding_window: Any = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
     locality: str | None = None
+    ownership: str | None = None
+    session_id: Any = None
+    lookahead_token_ids: list[list[int]] | None = None
 
 
 class _RemovedArray(msgspec.Struct, tag="BlockRemoved", array_like=True, gc=False):
@@ -72,6 +80,7 @@ class _RemovedArray(msgspec.Struct, tag="BlockRemoved", array_like=True, gc=Fals
     medium: str | None = None
     group_idx: int | None = None
     locality: str | None = None
+    ownership: str | None = None
 
 
 class _ClearedArray(msgspec.Struct, tag="AllBlocksCleared", array_like=True, gc=False):
@@ -97,6 +106,9 @@ def _convert(raw: _TypedEvent) -> KVEvent | None:
             return None
         if raw.extra_keys is not None and extra_keys_too_deep(raw.extra_keys):
             return None
+        lookahead = raw.lookahead_token_ids
+        if lookahead is not None and len(lookahead) > MAX_BLOCKS_PER_EVENT:
+            return None
         return BlockStored(
             block_hashes=hashes,
             parent_block_hash=raw.parent_block_hash,
@@ -107,7 +119,11 @@ def _convert(raw: _TypedEvent) -> KVEvent | None:
             lora_name=raw.lora_name,
             extra_keys=raw.extra_keys,
             group_idx=raw.group_idx or 0,
+            kv_cache_spec_kind=raw.kv_cache_spec_kind or None,
+            kv_cache_spec_sliding_window=raw.kv_cache_spec_sliding_window,
             locality=(raw.locality or "LOCAL").upper(),
+            ownership=raw.ownership,
+            lookahead_token_ids=lookahead,
         )
     if isinstance(raw, _RemovedMap | _RemovedArray):
         if len(raw.block_hashes) > MAX_BLOCKS_PER_EVENT:
@@ -117,6 +133,7 @@ def _convert(raw: _TypedEvent) -> KVEvent | None:
             medium=(raw.medium or "GPU").upper(),
             group_idx=raw.group_idx or 0,
             locality=(raw.locality or "LOCAL").upper(),
+            ownership=raw.ownership,
         )
     return AllBlocksCleared()
 

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from kvroute.indexer.entities import Entity, Registry
 from kvroute.indexer.events import EventBatch, EventDecodeError, decode_seq
 from kvroute.indexer.fastdecode import decode_batch_fast
-from kvroute.indexer.ingest import translate
+from kvroute.indexer.ingest import group_table, translate
 from kvroute.indexer.metrics import IndexerMetrics
 from kvroute.indexer.mirror import BackendMirror
 from kvroute.indexer.sequencing import APPLY, GapPolicy, Handled
@@ -92,6 +92,11 @@ class MessageHandler:
             result = translate(ent.state, ent.model, batch)
             if result.ops:
                 await mirror.submit_locked(ent.model, ent.id, result.ops)
+            for idx, group_ops in result.groups.items():
+                if group_ops.ops:
+                    await mirror.submit_locked(ent.model, ent.id, group_ops.ops, group_table(ent.model.name, idx))
+        if self.registry.doubtful:
+            self.registry.lift(ent.id)  # events after a reset seen elsewhere: the view is the engine's again
         for kind, count in result.received.items():
             metrics.received(kind, count)
         for kind, count in result.applied.items():
@@ -116,6 +121,7 @@ class MessageHandler:
     async def purge_entity(self, ent: Entity, reason: str) -> None:
         self.rlog.log(logging.INFO, f"{ent.id}\0purge\0{reason}", "purging %s (%s)", ent.id, reason)
         ent.state.clear()
+        self.registry.lift(ent.id)
         self._count_purge(ent, reason)
         ent.metrics.set_blocks(0)
         await self.mirror.purge(ent.id)

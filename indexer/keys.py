@@ -11,6 +11,14 @@ worker, an alias map from vLLM's hash to ours.
 Extra keys follow vLLM's placement: the LoRA name on every block, the tenant's ``cache_salt`` on the
 first block only, so two tenants' identical prompts never share a key.
 
+Lookahead hashing (vLLM 0.33 with EAGLE, ``lookahead_token_ids`` in the events): a block's hash also
+covers the L tokens after it, so two prompts that share a block but not the token after it hold two
+different blocks. :func:`lookahead_keys` folds those L tokens into the block's key (``xxh3_64(tag ||
+L tokens, seed=chain key)``) while the chain itself stays the plain one: a block's lookahead tokens are
+the next block's first tokens, so the chain already covers them and the key-chain cache below serves
+both. A prompt of N tokens has keys for its first ``(N - L) // block_size`` blocks only, as vLLM hashes
+only blocks followed by L tokens: its own last blocks can never be matched by its keys.
+
 Agentic and chat prompts repeat the previous prompt and append to it. :class:`KeyChainCache` keeps the
 key chains of recent prompts (per model, block size, LoRA and salt; bounded in bytes) so a prompt that
 shares a prefix with a recent one hashes only the blocks after it: the chain is a function of the
@@ -140,11 +148,41 @@ def _chain(
 
 
 def request_keys(
-    tokens: Sequence[int], block_size: int, model: str, *, lora_name: str | None = None, cache_salt: str | None = None
+    tokens: Sequence[int],
+    block_size: int,
+    model: str,
+    *,
+    lora_name: str | None = None,
+    cache_salt: str | None = None,
+    lookahead: int = 0,
 ) -> list[int]:
-    """Keys of a request's prompt: what the index is asked about."""
+    """Keys of a request's prompt: what the index is asked about (``lookahead``: the model's L)."""
     extras = request_extra_keys(len(tokens) // block_size, lora_name=lora_name, cache_salt=cache_salt)
-    return chain_keys(tokens, block_size, root_key(model), extras)
+    keys = chain_keys(tokens, block_size, root_key(model), extras)
+    return lookahead_keys(keys, tokens, block_size, lookahead) if lookahead else keys
+
+
+#: Starts the bytes a block's lookahead tokens are hashed with (a block's own bytes are never this short).
+LOOKAHEAD_TAG = b"\x00la"
+
+
+def lookahead_key(chain_key: int, lookahead_tokens: Sequence[int]) -> int:
+    """The key of one block whose hash covers ``lookahead_tokens`` (its ``lookahead_token_ids`` entry)."""
+    return _hash(LOOKAHEAD_TAG + pack_tokens(lookahead_tokens), chain_key & _MASK)
+
+
+def lookahead_keys(chain: Sequence[int], tokens: Sequence[int], block_size: int, lookahead: int) -> list[int]:
+    """Keys of a prompt's blocks under lookahead hashing, from its plain ``chain`` (block i of ``tokens``
+    first, from the root): only the blocks followed by ``lookahead`` tokens have one, as in vLLM."""
+    if lookahead <= 0:
+        return list(chain)
+    count = min(len(chain), max(0, len(tokens) - lookahead) // block_size)
+    if count == 0:
+        return []
+    data = token_bytes(tokens)
+    step, width = block_size * 4, lookahead * 4
+    tag = LOOKAHEAD_TAG
+    return [_hash(tag + data[(i + 1) * step : (i + 1) * step + width], chain[i] & _MASK) for i in range(count)]
 
 
 # -- the longest cached prefix -------------------------------------------------------------------------

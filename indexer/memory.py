@@ -290,6 +290,20 @@ class MemoryIndex(IndexBackend):
                 out[worker] = (value >> (slot * SLOT_BITS)) & _BYTE
         return out
 
+    async def presence(self, model: str, keys: Sequence[int]) -> dict[str, int]:
+        table = self._models.get(model)
+        if table is None:
+            return {}
+        get = table.blocks.get
+        by_slot: dict[int, int] = {}
+        for i, key in enumerate(keys):
+            value = get(key)
+            if value:
+                for slot in _slots_of(_lanes(value)):
+                    by_slot[slot] = by_slot.get(slot, 0) | (1 << i)
+        owners = table.owners
+        return {owners[slot]: mask for slot, mask in by_slot.items() if slot in owners}
+
     async def worker_stats(self) -> list[WorkerIndexStats]:
         out = []
         for model, table in self._models.items():

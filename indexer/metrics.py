@@ -42,12 +42,20 @@ class IndexerMetrics:
         self.purges = Counter(
             "kvroute_index_purges_total", "Worker purges, by reason", ["worker", "reason"], registry=r
         )
-        self.blocks = Gauge("kvroute_index_blocks", "Blocks held per worker (any tier)", ["worker"], registry=r)
+        # Several serving processes (kvroute serve --processes) index the same events: one value each.
+        self.blocks = Gauge(
+            "kvroute_index_blocks",
+            "Blocks held per worker (any tier)",
+            ["worker"],
+            registry=r,
+            multiprocess_mode="livemax",
+        )
         self.event_lag = Gauge(
             "kvroute_index_event_lag_seconds",
             "Receive time minus the batch timestamp of the last batch",
             ["worker"],
             registry=r,
+            multiprocess_mode="livemax",
         )
         self.lookup_seconds = Histogram(
             "kvroute_index_lookup_seconds",
@@ -56,7 +64,13 @@ class IndexerMetrics:
             buckets=LOOKUP_BUCKETS,
             registry=r,
         )
-        self.backend_up = Gauge("kvroute_index_backend_up", "1 when the index backend answers", ["backend"], registry=r)
+        self.backend_up = Gauge(
+            "kvroute_index_backend_up",
+            "1 when the index backend answers",
+            ["backend"],
+            registry=r,
+            multiprocess_mode="livemin",  # 0 as soon as one process cannot reach it
+        )
         self.backend_errors = Counter(
             "kvroute_index_backend_errors_total",
             "Index backend failures, by operation",
@@ -78,6 +92,13 @@ class IndexerMetrics:
         self.resyncs = Counter(
             "kvroute_index_resyncs_total",
             "Full resyncs (purge, then replay from sequence 0), by reason",
+            ["worker", "reason"],
+            registry=r,
+        )
+        self.doubts = Counter(
+            "kvroute_index_doubts_total",
+            "Times a worker's entries were left out of lookups until its next events (a reset or restart seen "
+            "outside its event stream), by reason",
             ["worker", "reason"],
             registry=r,
         )

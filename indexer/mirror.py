@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 
 from kvroute.indexer.backend import IndexBackend, IndexOp, IndexUnavailable
 from kvroute.indexer.entities import Registry
-from kvroute.indexer.ingest import ModelInfo
+from kvroute.indexer.ingest import ModelInfo, group_table
 from kvroute.indexer.metrics import IndexerMetrics
 
 log = logging.getLogger("kvroute.indexer")
@@ -40,32 +40,34 @@ class BackendMirror:
         self.next_recover = 0.0
         #: Orders local-view changes and their backend writes.
         self.lock = asyncio.Lock()
-        #: Inside :meth:`batched`: writes wait here (per entity, in order) and go out together.
+        #: Inside :meth:`batched`: writes wait here (per table and entity, in order) and go out together.
         self._deferring = 0
-        self._pending: dict[str, tuple[str, list[IndexOp]]] = {}
+        self._pending: dict[tuple[str, str], list[IndexOp]] = {}
         metrics.backend_up.labels(backend.name).set(1)
 
     # ---- writes --------------------------------------------------------------------------------
 
-    async def submit_locked(self, model: ModelInfo, entity: str, ops: list[IndexOp]) -> None:
-        """Mirror one batch's ops (the caller holds :attr:`lock`): now, or at the end of the burst."""
+    async def submit_locked(self, model: ModelInfo, entity: str, ops: list[IndexOp], table: str | None = None) -> None:
+        """Mirror one batch's ops (the caller holds :attr:`lock`): now, or at the end of the burst.
+        ``table``: one of the model's other KV-cache groups' tables instead of its own."""
         if self.dirty:
             return  # rewritten from the local views on recovery
+        name = table or model.name
         if self._deferring:
-            self._pending.setdefault(entity, (model.name, []))[1].extend(ops)
+            self._pending.setdefault((name, entity), []).extend(ops)
             return
         try:
-            await self.backend.apply(model.name, entity, ops)
+            await self.backend.apply(name, entity, ops)
         except IndexUnavailable as exc:
             self.failed("apply", exc)
-        await self._publish_block_size(model)
+        await self._publish_meta(model)
 
-    async def _publish_block_size(self, model: ModelInfo) -> None:
-        """Readers of a shared index learn block sizes from the writer."""
+    async def _publish_meta(self, model: ModelInfo) -> None:
+        """Readers of a shared index learn block sizes, lookahead and KV-cache groups from the writer."""
         if model.published or not model.block_size or self.dirty:
             return
         try:
-            await self.backend.set_block_size(model.name, model.block_size)
+            await self.backend.set_model_meta(model.name, model.meta())
             model.published = True
         except IndexUnavailable as exc:
             self.failed("apply", exc)
@@ -75,12 +77,14 @@ class BackendMirror:
         if not pending or self.dirty:
             return  # when dirty, everything is rewritten from the local views on recovery
         try:
-            await self.backend.apply_many([(model, entity, ops) for entity, (model, ops) in pending.items()])
+            await self.backend.apply_many([(table, entity, ops) for (table, entity), ops in pending.items()])
         except IndexUnavailable as exc:
             self.failed("apply", exc)
             return
-        for model in {model for model, _ in pending.values()}:
-            await self._publish_block_size(self.registry.model_info(model))
+        for table in {table for table, _ in pending}:
+            info = self.registry.models.get(table)  # a group's table has no model record of its own
+            if info is not None:
+                await self._publish_meta(info)
 
     async def flush(self) -> None:
         """Write what :meth:`batched` has deferred so far."""
@@ -143,9 +147,11 @@ class BackendMirror:
             try:
                 for ent in list(registry.entities.values()):
                     await self.backend.apply(ent.model.name, ent.id, ent.state.snapshot_ops())
+                    for idx, ops in ent.state.group_snapshots(ent.model.side_groups).items():
+                        await self.backend.apply(group_table(ent.model.name, idx), ent.id, ops)
                 for info in registry.models.values():
                     if info.block_size and info.published:
-                        await self.backend.set_block_size(info.name, info.block_size)
+                        await self.backend.set_model_meta(info.name, info.meta())
             except IndexUnavailable as exc:
                 self.failed("recover", exc)
                 return False
@@ -165,5 +171,8 @@ class BackendMirror:
                     ops = ent.state.snapshot_ops()[1:]
                     if ops:
                         await self.backend.apply(ent.model.name, ent.id, ops)
+                    for idx, group in ent.state.group_snapshots(ent.model.side_groups).items():
+                        if group[1:]:
+                            await self.backend.apply(group_table(ent.model.name, idx), ent.id, group[1:])
             except IndexUnavailable as exc:
                 self.failed("refresh", exc)

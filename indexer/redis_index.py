@@ -8,6 +8,11 @@ model in one hash slot, so the scripts may touch all of its keys):
 - ``P:{m}:counts`` ``<slot>:<tier>`` and ``<slot>:any`` -> block counts (for stats).
 - ``P:models`` the models seen (to purge a worker everywhere).
 
+On a Redis Cluster (``cluster=True``) each model's keys live on the master of its slot, so models
+spread over the masters; a script declares the model's keys it names and builds block key names from
+ARGV, legal there because they hash to the declared keys' slot. A burst over several models is one
+cluster pipeline (``EVAL``s grouped per master).
+
 A purge (or ``AllBlocksCleared``) retires the worker's slot in O(1): lookups ignore bytes of slots
 without an owner, and the next store gives the worker a fresh slot; stale bytes die with the TTL.
 A lookup is one ``EVALSHA`` whatever the prefix length; a batch is one ``EVALSHA`` too.
@@ -20,13 +25,14 @@ import struct
 from collections.abc import Sequence
 from typing import Any
 
-import redis.asyncio as aioredis
 from kvroute.indexer.backend import IndexBackend, IndexOp, IndexUnavailable, WorkerIndexStats, WorkerMatch
+from kvroute.indexer.redis_client import AnyRedis, redis_client
 from kvroute.indexer.redis_lua import LOOKUP, WRITE
 from kvroute.vocabulary import Tier
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import ClusterDownError, RedisClusterException, RedisError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 log = logging.getLogger("kvroute.indexer.redis")
 
@@ -35,6 +41,11 @@ _KIND = {"store": b"s", "remove": b"r", "clear": b"c"}
 ScriptArg = bytes | int | str
 #: Keys per script call when rewriting large snapshots (keeps Redis responsive for others).
 MAX_KEYS_PER_CALL = 5_000
+#: Failures after which a cluster client must re-read the slot map (a node died, a failover is under way).
+_TOPOLOGY_ERRORS = (RedisConnectionError, RedisTimeoutError, ClusterDownError, RedisClusterException, OSError)
+#: What a failed call may raise: the cluster client's own exceptions (no node reachable, a slot not
+#: covered) are not RedisErrors.
+_FAILURES = (RedisError, RedisClusterException, OSError)
 
 
 def pack_keys(keys: Sequence[int]) -> bytes:
@@ -57,6 +68,10 @@ class RedisIndex(IndexBackend):
     stopped answering, e.g. frozen or behind a dead link, fails the call instead of blocking it), closing.
     A failed command is not retried here: the indexer keeps its local views and rewrites them once Redis
     answers again, so retries would only hold its lock longer while Redis is away.
+
+    ``cluster=True``: ``url`` is one seed node of a Redis Cluster (:mod:`kvroute.indexer.redis_client`).
+    After a connection failure redis-py re-reads the slot map on the next command; after a failed pipeline
+    this class drops the client's connections and map itself, so writes, too, reach a promoted replica.
     """
 
     name = "redis"
@@ -67,13 +82,13 @@ class RedisIndex(IndexBackend):
         prefix: str = "kvr",
         ttl_s: int = 3600,
         timeout_s: float = 2.0,
-        client: aioredis.Redis | None = None,
+        client: AnyRedis | None = None,
+        cluster: bool = False,
     ) -> None:
         self.prefix = prefix
         self.ttl_s = ttl_s
-        self.redis = client or aioredis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0)
-        )
+        self.redis: AnyRedis = client or redis_client(url, cluster=cluster, timeout_s=timeout_s)
+        self.cluster = isinstance(self.redis, RedisCluster)
         self._write = self.redis.register_script(WRITE)
         self._lookup = self.redis.register_script(LOOKUP)
         self._models_known: set[str] = set()
@@ -87,13 +102,30 @@ class RedisIndex(IndexBackend):
     def _block_prefix(self, model: str) -> bytes:
         return self._k(model, "b:").encode()
 
-    async def _call(self, what: str, coro: Any) -> Any:
-        """Await one redis-py call (typed ``Awaitable[T] | T`` there, hence Any) as IndexUnavailable."""
+    async def _call(self, what: str, coro: Any, pipeline: bool = False) -> Any:
+        """Await one redis-py call (typed ``Awaitable[T] | T`` there, hence Any) as IndexUnavailable.
+
+        With a cluster client any exception is a failure of the index: when it drops connections under
+        concurrent commands (its reaction to ``CLUSTERDOWN``, a topology refresh) a command caught mid-setup
+        can fail with a plain ``AttributeError``; that must cost a lookup, never a request."""
         try:
             return await coro
-        except (RedisError, OSError) as exc:
+        except Exception as exc:
+            if not isinstance(exc, _FAILURES) and not self.cluster:
+                raise
             self._models_known.clear()
-            raise IndexUnavailable(f"redis {what} failed: {exc}") from exc
+            if pipeline and isinstance(exc, _TOPOLOGY_ERRORS):
+                await self._forget_topology()
+            detail = str(exc) if isinstance(exc, _FAILURES) else f"{type(exc).__name__}: {exc}"
+            raise IndexUnavailable(f"redis {what} failed: {detail}") from exc
+
+    async def _forget_topology(self) -> None:
+        """Drop the cluster client's connections and slot map: the next call re-reads them. A single command
+        does this itself on a connection error; a pipeline does not, and would keep aiming at a dead node."""
+        try:
+            await self.redis.aclose()
+        except Exception as exc:  # the same races as in _call; the next call starts afresh anyway
+            log.warning("resetting the redis cluster client failed: %r", exc)
 
     async def _remember_model(self, model: str) -> None:
         if model not in self._models_known:
@@ -138,6 +170,14 @@ class RedisIndex(IndexBackend):
         if len(calls) == 1:
             model, args = calls[0]
             await self._call("write", self._write(keys=self._model_keys(model), args=args))
+            return
+        if isinstance(self.redis, RedisCluster):
+            # Grouped per node and sent concurrently by redis-py, redirections followed. EVAL, not EVALSHA:
+            # a cluster pipeline cannot load a script a node lacks (a promoted replica's cache is empty).
+            cpipe = self.redis.pipeline()
+            for model, args in calls:
+                cpipe.eval(WRITE, 4, *self._model_keys(model), *args)
+            await self._call("write", cpipe.execute(), pipeline=True)
             return
         pipe = self.redis.pipeline(transaction=False)
         for model, args in calls:
@@ -204,15 +244,47 @@ class RedisIndex(IndexBackend):
     async def set_block_size(self, model: str, block_size: int) -> None:
         await self._call("hset", self.redis.hset(self._k(model, "meta"), "block_size", block_size))
 
+    async def get_model_meta(self, model: str) -> dict[str, str]:
+        raw = await self._call("hgetall", self.redis.hgetall(self._k(model, "meta")))
+        return {k.decode(): v.decode() for k, v in raw.items()}
+
+    async def set_model_meta(self, model: str, meta: dict[str, str]) -> None:
+        if meta:
+            items = [part for pair in meta.items() for part in pair]
+            await self._call("hset", self.redis.hset(self._k(model, "meta"), items=items))
+
+    async def presence(self, model: str, keys: Sequence[int]) -> dict[str, int]:
+        """Two round trips whatever the length: the blocks' values (``MGET``, one slot: one hash tag) and
+        the slot owners."""
+        if not keys:
+            return {}
+        prefix = self._block_prefix(model)
+        names = [prefix + pack_keys([key]) for key in keys]
+        values = await self._call("mget", self.redis.mget(names))
+        owners = await self._call("hgetall", self.redis.hgetall(self._k(model, "owners")))
+        slots = {int(slot): worker.decode() for slot, worker in owners.items()}
+        out: dict[str, int] = {}
+        for i, value in enumerate(values):
+            if not value:
+                continue
+            for slot, worker in slots.items():
+                if slot < len(value) and value[slot]:
+                    out[worker] = out.get(worker, 0) | (1 << i)
+        return out
+
     async def ping(self) -> bool:
         try:
+            if isinstance(self.redis, RedisCluster):  # every master answers: the whole index is reachable
+                return bool(await self.redis.ping(target_nodes=RedisCluster.PRIMARIES))
             return bool(await self.redis.ping())
-        except (RedisError, OSError):
-            return False
+        except Exception as exc:
+            if isinstance(exc, _FAILURES) or self.cluster:  # a cluster client's races: see _call
+                return False
+            raise
 
     async def close(self) -> None:
         """Close the connections; a Redis that is gone or frozen is logged, never raised (shutdown goes on)."""
         try:
             await self.redis.aclose()
-        except (RedisError, OSError) as exc:
+        except _FAILURES as exc:
             log.warning("closing the redis connections failed: %s", exc)

@@ -16,6 +16,7 @@ is ``w#n`` (each rank has its own cache and its own sequence counter).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any
@@ -32,7 +33,12 @@ from kvroute.indexer.mirror import RECOVER_INTERVAL_S, BackendMirror
 from kvroute.indexer.sequencing import GapPolicy, Handled, Outcome
 from kvroute.indexer.stats import IndexStats
 
+#: The longest a worker's entries stay doubtful without events from it (seconds): a reset that never
+#: happened (the engine refused it) or an engine left idle must not keep it out of KV routing for good.
+DOUBT_MAX_S = 120.0
+
 __all__ = [
+    "DOUBT_MAX_S",
     "LOG_INTERVAL_S",
     "RECOVER_INTERVAL_S",
     "GapPolicy",
@@ -99,6 +105,15 @@ class KVIndexer:
 
     def mark_up(self, worker_id: str) -> None:
         self.registry.mark_up(worker_id)
+
+    def doubt_worker(self, worker_id: str, reason: str = "reset", max_s: float = DOUBT_MAX_S) -> None:
+        """The worker's cache was reset or lost (seen outside its events: a restarted engine's counters, an
+        operator's word): leave its entries out of lookups until its next events arrive — vLLM publishes
+        ``AllBlocksCleared`` only at its next engine step — or ``max_s`` passed. Purges end it too."""
+        if not worker_id:
+            return
+        for ident in self.registry.doubt(worker_id, time.monotonic() + max_s):
+            self.metrics.doubts.labels(ident, reason).inc()
 
     @property
     def purges_total(self) -> int:

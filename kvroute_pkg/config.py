@@ -71,9 +71,20 @@ class ModelConfig(_Strict):
     """Per-model facts the router needs for tokens and for the cost model."""
 
     name: str
-    tokenizer: str | None = Field(default=None, description="Folder or tokenizer.json for local tokenization")
+    tokenizer: str | None = Field(
+        default=None,
+        description="Folder or tokenizer.json for local tokenization; python:module:Factory for a tokenizer object; "
+        "render (the workers' /v1/*/render, vLLM --enable-scale-out) or render:URL[,URL] (render servers); "
+        "unset: the workers' /tokenize",
+    )
     chat_template: str | None = Field(default=None, description="Jinja chat template file (default: from the folder)")
     block_size: int | None = Field(default=None, ge=1, le=4096, description="Default: learnt from events")
+    base_model: str | None = Field(
+        default=None,
+        description="Set when this name is a LoRA adapter: the base model it runs on (its requests are keyed "
+        "with the base's tokens and the adapter's name, as vLLM hashes them). Default: the parent a worker's "
+        "/v1/models card names",
+    )
     #: Cost-model parameters (DESIGN §7); calibrated online from observed TTFTs.
     prefill_tokens_per_s: float = Field(default=10_000.0, gt=0)
     attention_coeff_s: float = Field(default=0.0, ge=0, description="Extra prefill seconds per token per 1k context")
@@ -88,6 +99,11 @@ class ModelConfig(_Strict):
 class IndexConfig(_Strict):
     backend: Literal["memory", "redis"] = "memory"
     redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_cluster: bool = Field(
+        default=False,
+        description="redis_url is one seed node of a Redis Cluster (db 0): the client finds every node, "
+        "follows MOVED/ASK and failovers",
+    )
     redis_prefix: str = "kvr"
     block_ttl_s: int = Field(default=3600, ge=0, description="Safety-net TTL for entries whose removal was lost")
     subscribe: bool = Field(default=True, description="Run the event subscribers in this process")
@@ -110,6 +126,28 @@ class IndexConfig(_Strict):
     events_curve_client_keys: list[str] = Field(
         default_factory=list, description="CURVE client public keys (Z85) allowed on events_bind (empty: any)"
     )
+
+    @model_validator(mode="after")
+    def _cluster_url(self) -> IndexConfig:
+        """A bad Cluster seed fails at load, not at the first lookup; braces in the prefix would move
+        every model's keys into one hash slot (or split a model across slots)."""
+        if self.redis_cluster:
+            problem = _cluster_url_problem(self.redis_url)
+            if problem:
+                raise ValueError(f"redis_url: {problem}")
+            if "{" in self.redis_prefix or "}" in self.redis_prefix:
+                raise ValueError("redis_prefix: no braces with redis_cluster (models are hash-tagged {model})")
+        return self
+
+
+def _cluster_url_problem(url: str) -> str | None:
+    """Why ``url`` cannot name a Redis Cluster seed node (None when it can)."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("redis", "rediss") or not parts.hostname:
+        return f"a Redis Cluster seed is redis://host:port or rediss://host:port (got scheme {parts.scheme!r})"
+    if parts.path.strip("/") not in ("", "0"):
+        return f"Redis Cluster has database 0 only, got /{parts.path.strip('/')}"
+    return None
 
 
 class PoolConfig(_Strict):
@@ -217,6 +255,19 @@ class RouterConfig(_Strict):
         description="A stream whose first bytes take longer is given up and retried on another worker (the worker "
         "is probed at once); null = only read_timeout_s bounds it",
     )
+    receipts: int = Field(
+        default=1000, ge=0, description="Per-request receipts kept for GET /admin/receipts (0 = none)"
+    )
+    receipts_path: str | None = Field(
+        default=None, description="Append every receipt to this JSON-lines file (benchmarks, offline analysis)"
+    )
+    routed_prefix_ttl_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="A prefix just routed to a worker counts as cached there for this long, until its KV events "
+        "arrive: until the request's first bytes come back, when the engine has published them (co-locates a burst "
+        "sharing a new prefix); 0 = only the index counts",
+    )
     retry_attempts: int = Field(
         default=3,
         ge=1,
@@ -244,6 +295,13 @@ class RouterConfig(_Strict):
         "authorization, tracing, ...); names are case-insensitive",
     )
     log_level: str = "info"
+    processes: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Serving processes sharing the port (kvroute serve; SO_REUSEPORT, supervised by a parent). "
+        "Above 1: Redis index written by one of them, or each subscribes to every worker (memory backend)",
+    )
 
     @model_validator(mode="after")
     def _unique_ids(self) -> RouterConfig:
@@ -259,6 +317,10 @@ class RouterConfig(_Strict):
             if model.name == name:
                 return model
         return ModelConfig(name=name)
+
+    def adapter_bases(self) -> dict[str, str]:
+        """Configured LoRA adapters -> their base model (``models[].base_model``)."""
+        return {m.name: m.base_model for m in self.models if m.base_model and m.base_model != m.name}
 
 
 def _format_errors(exc: ValidationError, source: str) -> str:

@@ -65,6 +65,17 @@ def pyplot() -> Any | None:
     return plt
 
 
+def save_figure(plt: Any, fig: Any, path: Path, title: str | None = None, dpi: int = 110) -> Path:
+    """Title, lay out, write (creating the folder) and close a figure: every chart ends this way."""
+    if title is not None:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
+
+
 def chart(rows: Sequence[dict[str, Any]], path: Path, title: str) -> Path | None:
     """Bar chart of TTFT p50/p99 and cached-token share per policy. None when matplotlib is missing."""
     plt = pyplot()
@@ -83,9 +94,4 @@ def chart(rows: Sequence[dict[str, Any]], path: Path, title: str) -> Path | None
     ax2.set_xticks(list(x), names, rotation=20)
     ax2.set_ylabel("% of prompt tokens served from cache")
     ax2.set_title("cache reuse (higher is better)")
-    fig.suptitle(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(plt, fig, path, title)

@@ -140,6 +140,7 @@ class Scorer(Protocol):
         source: WorkerTerms | None = None,
         reuse: bool = False,
         note: str = "",
+        stalls: bool = False,
     ) -> Option: ...
 
 
@@ -174,7 +175,8 @@ def candidates(
         start = len(out)
         if p.can_prefill:
             can_hand_off = split_pool and (protocol != "p2p" or (p.p2p_host and p.p2p_port))
-            targets = ([p] if p.can_decode else []) + (decoders if can_hand_off else [])
+            whole = p.can_decode or (split_pool and prm.pd_prefill_decodes)
+            targets = ([p] if whole else []) + (decoders if can_hand_off else [])
             sources = [q for q in peers if q.worker.id != p.id and q.peer_tokens > lp.cached]
             sources = sources[: prm.max_sources]
             for d in targets:
@@ -182,9 +184,14 @@ def candidates(
                 out.extend(score(ctx, lp, d, source=q) for q in sources)
                 if conv is not None and d.id != p.id and conv.worker.id != p.id:
                     out.append(score(ctx, lp, d, source=conv, reuse=True))
-        # A decode worker prefills itself when few tokens are uncached there (Dynamo / vllm-router rule).
-        elif p.role == "decode" and (protocol == "none" or ctx.prompt - lp.cached <= prm.pd_split_threshold_tokens):
-            out.append(score(ctx, lp, p, note="decode worker prefills locally"))
+        # A decode worker prefills itself when few tokens are uncached there (Dynamo / vllm-router rule),
+        # or, conditional disaggregation, when that beats the prefill workers' queues despite the stall
+        # of the decodes it runs (ranked in the score).
+        elif p.role == "decode":
+            if protocol == "none" or ctx.prompt - lp.cached <= prm.pd_split_threshold_tokens:
+                out.append(score(ctx, lp, p, note="decode worker prefills locally"))
+            elif prm.pd_local_prefill:
+                out.append(score(ctx, lp, p, note="decode worker prefills locally (prefill busy)", stalls=True))
         if limit is not None:
             for o in out[start:]:  # ranks are >= scores, so the bounds stay lower bounds
                 if len(kth) < limit:

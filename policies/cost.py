@@ -232,8 +232,10 @@ class KvAwarePolicy(Policy):
         source: WorkerTerms | None = None,
         reuse: bool = False,
         note: str = "",
+        stalls: bool = False,
     ) -> Option:
-        """The predicted TTFT of one plan, term by term, and the rank it is sorted by."""
+        """The predicted TTFT of one plan, term by term, and the rank it is sorted by (``stalls``: a decode
+        worker prefilling a long prompt itself, stalling the decodes it runs meanwhile)."""
         prm, mdl = self.params, ctx.model
         bpt = mdl.bytes_per_token
         p = lp.worker
@@ -273,6 +275,8 @@ class KvAwarePolicy(Policy):
         # certain, the queue it avoids is an estimate from lagging load signals.
         left_behind = max(0.0, ctx.best_local - cached_exp)
         rank = score + left_behind * per_token * prm.affinity_weight
+        if stalls:  # every decode stream running there waits out this prefill (inter-token latency)
+            rank += prefill * prm.decode_stall_weight * max(p.load, 1)
         return Option(
             score=score,
             rank=rank,

@@ -47,6 +47,16 @@ class CostParams:
     #: Pools with separate roles: a decode worker prefills locally when at most this many tokens are
     #: uncached there (Dynamo's and vllm-router's "skip the prefill worker" rule).
     pd_split_threshold_tokens: int = 512
+    #: Conditional disaggregation: above that threshold a decode worker may still prefill locally when the
+    #: cost model finds it faster than the prefill workers' queues (they are busy). Its running decodes stall
+    #: while it prefills: the plan is ranked with ``decode_stall_weight`` x prefill seconds per decode
+    #: stream running there (0 = pure TTFT, ITL ignored; ``pd_local_prefill: false`` = strict roles).
+    pd_local_prefill: bool = True
+    decode_stall_weight: float = 0.25
+    #: Also let a prefill worker serve a whole request (decode there) when that ranks best: the lowest TTFT
+    #: of the pool, at the cost of that request's inter-token latency (its decode shares steps with long
+    #: prefills) — off by default, the operator's roles say the prefill workers are not for decoding.
+    pd_prefill_decodes: bool = False
     #: Probability that a block the index reports is still there when the request arrives, per tier.
     still_there: dict[str, float] = field(default_factory=_default_still_there)
     #: GPU hits on a worker whose KV usage nears 100% are likely evicted first: p *= 1 - decay x pressure.
@@ -110,10 +120,14 @@ class CostParams:
             "unknown_running_weight",
             "affinity_weight",
             "pd_split_threshold_tokens",
+            "decode_stall_weight",
             "kv_recompute_threshold",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        for flag in ("pd_local_prefill", "pd_prefill_decodes"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{flag} must be true or false, got {getattr(self, flag)!r}")
         if self.bytes_per_token <= 0:
             raise ValueError("bytes_per_token must be > 0")
         if self.kv_protocol not in _PROTOCOLS:

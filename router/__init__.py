@@ -2,7 +2,9 @@
 
 One request flow, top to bottom (each step its own module):
 
-``requests``  parse_request(): one typed ParsedRequest, client routing fields stripped
+``requests``  parse_request(): one typed ParsedRequest, client routing fields stripped; ``surfaces``
+              reads each generation surface's prompt once (``anthropic_prompt``, ``responses_prompt``
+              convert /v1/messages and /v1/responses to the chat request vLLM renders)
 ``facts``     tokens -> block keys -> index lookup -> conversation entry (FactGatherer)
 ``flow``      RequestFlow: decide (policy) -> rewrite -> forward -> report, retry before any byte
 ``kv_params`` the kv_transfer_params bodies of each KV protocol (pure)
@@ -10,8 +12,10 @@ One request flow, top to bottom (each step its own module):
 ``outcomes``  metrics and policy.observe once the answer is complete
 
 Around it: ``registry`` (workers, health, load scraping), ``subscriptions`` (event subscribers kept in step
-with the registry), ``tokens`` (local, remote and plugin tokenizers), ``conversations`` (multi-turn reuse
-store), ``app`` + ``http_body`` (the Starlette surface), ``extproc`` (Envoy's ext_proc, the same flow),
+with the registry), ``tokens`` (per model: ``local_tokens``, ``plugin_tokens``, ``render_tokens``, remote
+``/tokenize``; ``chat_prompt`` / ``chat_template`` / ``template_format`` render chat as vLLM does),
+``conversations`` (multi-turn reuse store), ``app`` + ``http_body`` (the Starlette surface), ``extproc``
+(Envoy's ext_proc, the same flow),
 ``admin`` / ``index_admin`` / ``explain`` (admin REST), ``state`` (the parts, built by
 :mod:`kvroute.apps.build`), ``discovery`` (worker sources: Kubernetes, DNS, vLLM's event endpoints).
 

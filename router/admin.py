@@ -36,6 +36,19 @@ async def require_admin_read(request: Request) -> None:
     check_admin(request, state_of(request).config.admin_token, read_only=True)
 
 
+def require_one_process(state: RouterState) -> None:
+    """Run-time worker changes would reach one of several serving processes (each keeps its own registry):
+    refused with ``processes`` > 1, where the config file and SIGHUP reach them all."""
+    if state.config.processes > 1:
+        raise ApiError(
+            409,
+            f"this router runs {state.config.processes} serving processes, each with its own worker list: "
+            "change workers in the config file and reload (SIGHUP to the parent reaches every process)",
+            "multi_process",
+            "conflict",
+        )
+
+
 class RemoveWorker(BaseModel):
     id: str | None = None
     url: str | None = None
@@ -58,6 +71,7 @@ async def add_worker(request: Request) -> dict[str, Any]:
         problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in exc.errors())
         raise ApiError(400, f"invalid worker: {problems}", "invalid_worker") from None
     state = state_of(request)
+    require_one_process(state)
     refusal = worker_refusal(cfg.url, state.config.admin_worker_allowlist)
     if refusal is not None:
         raise ApiError(403, f"worker refused: {refusal}", "worker_not_allowed", "permission_error")
@@ -91,6 +105,7 @@ async def remove_worker_by_body(request: Request) -> dict[str, Any]:
 
 
 def _remove(request: Request, worker_id: str) -> dict[str, Any]:
+    require_one_process(state_of(request))
     try:
         state = state_of(request).registry.remove(worker_id)
     except KeyError:

@@ -25,8 +25,7 @@ from kvroute.router.http_body import ClientGone, read_body, until_disconnect
 from kvroute.router.metrics import CONTENT_TYPE
 from kvroute.router.paths import canonical_path
 from kvroute.router.requests import (
-    CHAT,
-    COMPLETIONS,
+    GENERATION_ROUTES,
     ParsedRequest,
     parse_request,
     request_id_from,
@@ -76,10 +75,9 @@ def create_app(state: RouterState, admin_routers: Sequence[APIRouter] = ()) -> S
                     log.exception("stopping %s failed", type(service).__name__)
 
     admin = build_admin_app(state, extra_routers=list(admin_routers))
-    hot = {CHAT: _generation(state), COMPLETIONS: _generation(state)}
+    hot = {path: _generation(state) for path in sorted(GENERATION_ROUTES)}
     routes = [
-        Route(CHAT, hot[CHAT], methods=["POST"]),
-        Route(COMPLETIONS, hot[COMPLETIONS], methods=["POST"]),
+        *(Route(path, endpoint, methods=["POST"]) for path, endpoint in hot.items()),
         Route("/v1/models", _models(state), methods=["GET"]),
         Route("/health", _health, methods=["GET"]),
         Route("/ready", _ready(state), methods=["GET"]),
@@ -124,12 +122,12 @@ class RouterApp(Starlette):
 
 
 def _generation(state: RouterState) -> Endpoint:
-    """``/v1/completions`` and ``/v1/chat/completions``: the path says which."""
+    """``/v1/completions``, ``/v1/chat/completions``, ``/v1/messages``, ``/v1/responses``: the path says which."""
     return _endpoint(state, generation=True)
 
 
 def _passthrough(state: RouterState) -> Endpoint:
-    """Any other path (``/tokenize``, ``/v1/responses``...) goes to a healthy worker serving the model."""
+    """Any other path (``/tokenize``, ``/v1/embeddings``...) goes to a healthy worker serving the model."""
     return _endpoint(state, generation=False)
 
 

@@ -185,16 +185,22 @@ class MemoryConversationStore(ConversationStore):
 
 
 class RedisConversationStore(ConversationStore):
-    """Shared by router replicas. Keys ``{prefix}:conv:{id}`` with a PX expiry; take is ``GETDEL``."""
+    """Shared by router replicas. Keys ``{prefix}:conv:{id}`` with a PX expiry; take is ``GETDEL``.
+    On a Redis Cluster (``cluster``) conversations spread over the masters by their key's slot."""
 
     def __init__(
-        self, url: str, ttl_s: float = 420.0, retention_s: float = DECODER_RETENTION_S, prefix: str = "kvr"
+        self,
+        url: str,
+        ttl_s: float = 420.0,
+        retention_s: float = DECODER_RETENTION_S,
+        prefix: str = "kvr",
+        cluster: bool = False,
     ) -> None:
         super().__init__(ttl_s, retention_s)
-        import redis.asyncio as aioredis
+        from kvroute.indexer.redis_client import redis_client
 
         self.prefix = prefix
-        self.client = aioredis.Redis.from_url(url)
+        self.client = redis_client(url, cluster=cluster)
 
     def _key(self, conversation_id: str) -> str:
         return f"{self.prefix}:conv:{validate_conversation_id(conversation_id)}"

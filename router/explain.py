@@ -13,17 +13,20 @@ import orjson
 from fastapi import APIRouter, Depends, Request
 from kvroute.router.admin import require_admin_read, state_of
 from kvroute.router.errors import ApiError
-from kvroute.router.requests import CHAT, COMPLETIONS, parse_request
+from kvroute.router.requests import CHAT, COMPLETIONS, GENERATION_ROUTES, RESPONSES, parse_request
 from pydantic import BaseModel, ConfigDict
 
 
 class ExplainBody(BaseModel):
-    """A completion or chat request body, exactly as a client would send it."""
+    """A generation request body, exactly as a client would send it; ``route`` names the surface when
+    the body alone does not (``/v1/messages`` bodies look like chat ones)."""
 
     model_config = ConfigDict(extra="allow")
     model: str
     prompt: str | list[int] | None = None
     messages: list[dict[str, Any]] | None = None
+    input: str | list[dict[str, Any]] | None = None
+    route: str | None = None
 
 
 def explain_router() -> APIRouter:
@@ -37,9 +40,13 @@ def explain_router() -> APIRouter:
     async def explain(body: ExplainBody, request: Request) -> dict[str, Any]:
         state = state_of(request)
         data = body.model_dump(exclude_none=True)
-        if "prompt" not in data and "messages" not in data:
-            raise ApiError(400, "give `prompt` or `messages`", "missing_prompt")
-        path = CHAT if "messages" in data else COMPLETIONS
+        path = data.pop("route", None) or (
+            CHAT if "messages" in data else RESPONSES if "input" in data else COMPLETIONS
+        )
+        if path not in GENERATION_ROUTES:
+            raise ApiError(400, f"`route` must be one of {sorted(GENERATION_ROUTES)}", "invalid_route")
+        if "prompt" not in data and "messages" not in data and "input" not in data:
+            raise ApiError(400, "give `prompt`, `messages` or `input`", "missing_prompt")
         parsed = parse_request(
             "POST",
             path,

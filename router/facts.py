@@ -1,8 +1,11 @@
 """What the router learns about a request before the policy decides: tokens -> keys -> lookup -> conversation.
 
-:class:`FactGatherer` runs the KV steps of the request flow for generation routes, and only the ones the
-policy asks for (``needs_index``, ``needs_text``) or conversation reuse needs. Every step degrades: no
-tokens, no index or no conversation store means routing by load or recomputing, never a failed request.
+:class:`FactGatherer` runs the KV steps of the request flow for generation routes (completions, chat,
+Messages, Responses), and only the ones the policy asks for (``needs_index``, ``needs_text``) or
+conversation reuse needs. Every step degrades: no tokens, no index or no conversation store means routing
+by load or recomputing, never a failed request; a prompt that cannot be known exactly here (an image for
+a local tokenizer, a previous response one engine keeps) is routed by load and counted per surface and
+reason (``kvroute_unrendered_requests_total``), never guessed.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from kvroute.router.conversations import ConversationEntry, ConversationStore
 from kvroute.router.kv_metrics import KVRouteMetrics
 from kvroute.router.registry import WorkerRegistry
 from kvroute.router.requests import ParsedRequest, prompt_text
-from kvroute.router.tokens import TokenizeError, Tokenizers
+from kvroute.router.routed_prefixes import RoutedPrefixes
+from kvroute.router.tokens import TokenizeError, Tokenizers, Unrenderable
 
 log = logging.getLogger("kvroute.facts")
 #: Per-request failures (tokenizer down, conversation store down) are counted each time, logged rarely.
@@ -72,12 +76,15 @@ class FactGatherer:
         tokenizers: Tokenizers | None,
         indexer: KVIndexer | None,
         conversations: ConversationStore | None,
+        routed: RoutedPrefixes | None = None,
     ) -> None:
         self.registry = registry
         self.metrics = metrics
         self.tokenizers = tokenizers
         self.indexer = indexer
         self.conversations = conversations
+        #: Prefixes just routed, seen as GPU hits until their events arrive (None: the index alone).
+        self.routed = routed
 
     def _data_parallel(self, worker_id: str) -> bool:
         state = self.registry.get(worker_id)
@@ -102,7 +109,8 @@ class FactGatherer:
         if wants_keys and self.indexer is not None and self.tokenizers is not None:
             facts.keys = await self._lookup(request, facts)
         if policy.needs_text:
-            facts.route.prompt_text = prompt_text(body)
+            chat = request.prompt.chat if request.prompt is not None else None
+            facts.route.prompt_text = prompt_text(body if chat is None else {"messages": chat.messages})
         if cid and self.conversations is not None and facts.keys and facts.route.block_size and not dry_run:
             facts.conversation = await self._take_conversation(facts.route, cid, facts.keys)
         return facts
@@ -111,8 +119,19 @@ class FactGatherer:
         assert self.indexer is not None and self.tokenizers is not None and request.json is not None
         body = request.json
         route = facts.route
+        # A LoRA adapter runs on its base: the base's tokenizer, the base's blocks (events come under the base
+        # model), keyed with the adapter's name as vLLM does, so base blocks never count for the adapter.
+        base = self.registry.base_of(route.model)
+        model, lora = (base, route.model) if base else (route.model, None)
+        prompt = request.prompt
+        if prompt is not None and prompt.load_only:
+            self.metrics.unrendered.labels(prompt.surface, prompt.load_only).inc()
+            return None
         try:
-            tokens = await self.tokenizers.tokens_for_body(route.model, body)
+            tokens = await self.tokenizers.tokens_for_request(model, request.route, body, prompt)
+        except Unrenderable as exc:
+            self.metrics.unrendered.labels(prompt.surface if prompt else "other", exc.reason).inc()
+            return None
         except TokenizeError as exc:
             self.metrics.fallbacks.labels("tokenizer").inc()
             limited.warning(
@@ -126,7 +145,7 @@ class FactGatherer:
         salt = body.get("cache_salt")
         try:
             result = await self.indexer.lookup_tokens(
-                route.model, tokens, cache_salt=salt if isinstance(salt, str) else None
+                model, tokens, lora_name=lora, cache_salt=salt if isinstance(salt, str) else None
             )
         except IndexUnavailable:
             self.metrics.fallbacks.labels("index_unavailable").inc()
@@ -134,7 +153,37 @@ class FactGatherer:
         if result.block_size:
             route.block_size = result.block_size
         route.matches, facts.ranks = fold_ranks(result.matches, self._data_parallel)
+        if self.routed is not None and result.keys:
+            self._add_routed(route, result.keys)
         return result.keys
+
+    def _add_routed(self, route: RouteRequest, keys: list[int]) -> None:
+        """A worker the prefix was just sent to holds it as soon as that request's prefill runs: beyond what
+        the index knows there, the rest of the routed prefix counts as GPU blocks (reconciled by the events)."""
+        assert self.routed is not None
+        held = self.routed.held(route.model, keys)
+        for worker, blocks in held.items():
+            match = route.matches.get(worker)
+            known = match.blocks if match is not None else 0
+            if blocks <= known:
+                continue
+            extra = blocks - known
+            if match is None:
+                route.matches[worker] = WorkerMatch(worker, blocks=blocks, gpu=blocks)
+            else:
+                route.matches[worker] = replace(match, blocks=blocks, gpu=match.gpu + extra)
+            self.metrics.routed_prefix_hits.inc()
+
+    def routed_to(self, facts: Facts, worker_id: str) -> None:
+        """The policy sent the request's prefill to ``worker_id``: later requests sharing it may follow."""
+        if self.routed is not None and facts.keys:
+            self.routed.note(facts.route.request_id, facts.route.model, worker_id, facts.keys)
+
+    def settled(self, facts: Facts) -> None:
+        """The request's first bytes came back (its prefill ran, so the engine has published its blocks'
+        events: the index speaks for them now), or it failed and its prefix will not be there."""
+        if self.routed is not None:
+            self.routed.forget(facts.route.request_id)
 
     async def _take_conversation(self, route: RouteRequest, cid: str, keys: list[int]) -> ConversationEntry | None:
         assert self.conversations is not None

@@ -34,6 +34,7 @@ from kvroute.router.metrics import RouterMetrics
 from kvroute.router.outcomes import Outcomes
 from kvroute.router.registry import WorkerRegistry
 from kvroute.router.requests import ParsedRequest
+from kvroute.router.surfaces import usage_counts
 from kvroute.router.transport import UpstreamError
 from kvroute.vocabulary import KVProtocol
 from starlette.responses import Response
@@ -138,6 +139,7 @@ class RequestFlow:
             try:
                 return await self.execute(decision)
             except UpstreamError as exc:
+                self.facts.settled(decision.facts)
                 if exc.kind == "timeout":
                     raise upstream_api_error(exc) from None
                 failure = exc
@@ -192,6 +194,7 @@ class RequestFlow:
             raise ApiError(503, str(exc), "no_healthy_worker") from None
         if not dry_run:
             self.outcomes.decided(time.perf_counter() - began)
+            self.facts.routed_to(facts, plan.prefill)
         if log.isEnabledFor(logging.DEBUG):  # the decision log: `kvroute serve --log-level debug`
             log.debug(
                 "request %s -> prefill %s decode %s source %s: %s",
@@ -223,6 +226,7 @@ class RequestFlow:
                 protocol=self.protocol,
                 request_id=request.request_id,
                 conversation_params=entry.kv_transfer_params if entry is not None and plan.reuse_conversation else None,
+                route=request.route,
             )
         except KVParamsError as exc:
             log.error("request %s: plan %s cannot be carried out: %s", request.request_id, plan.to_dict(), exc)
@@ -264,6 +268,7 @@ class RequestFlow:
             request.started,
             stream=request.stream,
         )
+        self.facts.settled(decision.facts)
         if opened.upstream.status in REFUSAL_STATUSES and opened.rest is None:
             # Refused before any work (vLLM's admission control answers 503 "retry on another instance").
             self.registry.release(worker_id)
@@ -340,14 +345,8 @@ class RequestFlow:
         assert store is not None and cid is not None
         try:
             answer = orjson.loads(raw)
-            usage = answer.get("usage") or {}
-            entry = entry_from_turn(
-                worker_id,
-                answer,
-                decision.facts.keys or [],
-                int(usage.get("prompt_tokens") or 0),
-                int(usage.get("completion_tokens") or 0),
-            )
+            prompt, _, completion = usage_counts(decision.request.route, answer.get("usage"))
+            entry = entry_from_turn(worker_id, answer, decision.facts.keys or [], prompt or 0, completion or 0)
             if entry is not None:
                 await store.put(cid, entry)
                 self.kv_metrics.conversations.labels("stored").inc()

@@ -91,7 +91,8 @@ class RawStreamingResponse(StreamingResponse):
 
 
 class UsageSniffer:
-    """Finds the last ``usage`` object in an SSE stream, parsing only the lines that mention it."""
+    """Finds the last ``usage`` object in an SSE stream (top level, or a Responses event's ``response``),
+    parsing only the lines that mention it."""
 
     __slots__ = ("_pending", "usage")
 
@@ -120,8 +121,13 @@ class UsageSniffer:
             obj = orjson.loads(payload)
         except orjson.JSONDecodeError:
             return
-        if isinstance(obj, dict) and isinstance(obj.get("usage"), dict):
-            self.usage = obj["usage"]
+        if not isinstance(obj, dict):
+            return
+        usage = obj.get("usage")
+        if usage is None and isinstance(obj.get("response"), dict):  # Responses: the final response event
+            usage = obj["response"].get("usage")
+        if isinstance(usage, dict):
+            self.usage = usage
 
 
 def usage_of(body: bytes) -> dict[str, Any] | None:

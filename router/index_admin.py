@@ -77,10 +77,19 @@ def _parse_key(raw: str) -> int:
 
 
 def index_admin_router(
-    indexer: KVIndexer, token: str | Callable[[], str | None] | None = None, tokenize: Tokenize | None = None
+    indexer: KVIndexer,
+    token: str | Callable[[], str | None] | None = None,
+    tokenize: Tokenize | None = None,
+    base_of: Callable[[str], str | None] | None = None,
 ) -> APIRouter:
-    """The index admin API over ``indexer``; ``tokenize`` enables ``prompt``/``messages`` lookups."""
+    """The index admin API over ``indexer``; ``tokenize`` enables ``prompt``/``messages`` lookups, ``base_of``
+    (a LoRA adapter's base model) lets an adapter's name be looked up as its requests are."""
     router = APIRouter(tags=["index"])
+
+    def resolve(model: str, lora_name: str | None) -> tuple[str, str | None]:
+        base = base_of(model) if base_of is not None else None
+        return (base, lora_name or model) if base else (model, lora_name)
+
     guarded = [Depends(_bearer(token))]
     lookup_guard = [Depends(_bearer(token, read_only=True))]  # a POST that only computes
 
@@ -111,7 +120,7 @@ def index_admin_router(
     async def block(key: str, model: str = Query(min_length=1)) -> dict[str, Any]:
         value = _parse_key(key)
         try:
-            holders = await indexer.backend.block_workers(model, value)
+            holders = await indexer.backend.block_workers(resolve(model, None)[0], value)
         except IndexUnavailable as exc:
             raise _unavailable(exc) from None
         return {
@@ -128,15 +137,16 @@ def index_admin_router(
     )
     async def lookup(body: LookupBody) -> dict[str, Any]:
         tokens = body.token_ids
+        model, lora_name = resolve(body.model, body.lora_name)
         if tokens is None:
             if tokenize is None:
                 raise HTTPException(400, "this server has no tokenizer here: send token_ids")
             try:
-                tokens = await tokenize(body.model, body.prompt, body.messages)
+                tokens = await tokenize(model, body.prompt, body.messages)
             except (ValueError, LookupError) as exc:
                 raise HTTPException(400, f"cannot tokenize: {exc}") from None
         try:
-            result = await indexer.lookup_tokens(body.model, tokens, body.lora_name, body.cache_salt)
+            result = await indexer.lookup_tokens(model, tokens, lora_name, body.cache_salt)
         except IndexUnavailable as exc:
             raise _unavailable(exc) from None
         size = result.block_size or 0
@@ -154,6 +164,7 @@ def index_admin_router(
         ]
         return {
             "model": body.model,
+            "lora_name": lora_name,
             "block_size": result.block_size,
             "prompt_tokens": len(tokens),
             "num_blocks": result.num_blocks,

@@ -36,7 +36,8 @@ class KVRouteMetrics:
         )
         self.fidelity = Counter(
             "kvroute_prediction_fidelity_total",
-            "Checked predictions per API surface (completions, chat, and +salted): exact, over (predicted more "
+            "Checked predictions per API surface (completions, chat, messages, responses, and +salted): exact, "
+            "over (predicted more "
             "than the engine served: a tokenizer/template mismatch or a stale index) or under",
             ["surface", "outcome"],
             registry=r,
@@ -58,9 +59,28 @@ class KVRouteMetrics:
             "KV bytes the chosen plans move between workers (estimate)",
             registry=r,
         )
+        self.routed_prefix_hits = Counter(
+            "kvroute_routed_prefix_hits_total",
+            "Lookups where a prefix just routed to a worker (its KV events not yet in) counted as cached there",
+            registry=r,
+        )
         self.fallbacks = Counter(
             "kvroute_kv_fallbacks_total",
             "Requests whose KV plan fell back (index down, tokenizer failed, prefill leg failed)",
+            ["reason"],
+            registry=r,
+        )
+        self.unrendered = Counter(
+            "kvroute_unrendered_requests_total",
+            "Generation requests routed by load because their prompt's tokens cannot be known exactly here "
+            "(media for a local tokenizer, a previous response kept by one engine...), by surface and reason",
+            ["surface", "reason"],
+            registry=r,
+        )
+        self.render_failures = Counter(
+            "kvroute_render_failures_total",
+            "Render answers that could not be used (malformed, oversized, render turned off): the worker is "
+            "not asked to render for a while",
             ["reason"],
             registry=r,
         )
@@ -68,11 +88,13 @@ class KVRouteMetrics:
             "kvroute_kv_event_sources",
             "Workers whose KV events this router subscribes to (0 with workers: routing by load only)",
             registry=r,
+            multiprocess_mode="livemax",  # several serving processes: the one that subscribes
         )
         self.load_only_workers = Gauge(
             "kvroute_workers_without_kv_events",
             "Workers routed by load only: no KV-event source configured or discovered",
             registry=r,
+            multiprocess_mode="livemax",
         )
         self.client_params = Counter(
             "kvroute_client_kv_params_removed_total",

@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 from kvroute.policies.base import RoutePlan, WorkerView
 from kvroute.policies.tier_policy import validate_tiers
+from kvroute.router.surfaces import CHAT, MESSAGES, RESPONSES
 from kvroute.vocabulary import KVProtocol
 
 LegKind = Literal["local", "prefill", "decode"]
@@ -179,13 +180,21 @@ def _tier_params(plan: RoutePlan) -> dict[str, Any]:
     return params
 
 
-def prefill_only(body: Mapping[str, Any]) -> dict[str, Any]:
-    """The client body shaped for a prefill-only leg: one token, not streamed."""
+def prefill_only(body: Mapping[str, Any], route: str = CHAT) -> dict[str, Any]:
+    """The client body shaped for a prefill-only leg of ``route``: one token, not streamed. Responses
+    count tokens in ``max_output_tokens`` (and the leg's answer is not stored); an Anthropic thinking
+    budget (no template effect) goes, since vLLM wants it below ``max_tokens``."""
     out = dict(body)
     out["stream"] = False
-    out["max_tokens"] = 1
+    if route == RESPONSES:
+        out["max_output_tokens"] = 1
+        out["store"] = False
+    else:
+        out["max_tokens"] = 1
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
+    if route == MESSAGES and isinstance(out.get("thinking"), dict) and out["thinking"].get("type") != "disabled":
+        out.pop("thinking")
     out.pop("stream_options", None)
     out.pop("min_tokens", None)
     return out
@@ -206,6 +215,8 @@ class Legs:
     client_body: dict[str, Any]
     prefill: Leg | None
     final: Leg | None
+    #: The client's route (how a prefill-only leg limits its output).
+    route: str = CHAT
 
     @property
     def headers(self) -> dict[str, str]:
@@ -236,6 +247,7 @@ def build_legs(
     request_id: str,
     conversation_params: Mapping[str, Any] | None = None,
     id_factory: Callable[[], str] = new_kv_request_id,
+    route: str = CHAT,
 ) -> Legs:
     """Turn a (sanitized) client body and a plan into legs for the pool's ``protocol``.
 
@@ -248,7 +260,7 @@ def build_legs(
     client = dict(body)
     client.pop("kv_transfer_params", None)
     headers = {REQUEST_ID_HEADER: request_id}
-    legs = Legs(request_id, protocol, plan, client, None, None)
+    legs = Legs(request_id, protocol, plan, client, None, None, route)
     if protocol == "none":
         if plan.disaggregated or plan.kv_source:
             raise KVParamsError("pool protocol 'none' can only carry aggregated plans")
@@ -284,7 +296,8 @@ def _p2p(
     host, port = peer_address(workers[plan.prefill])
     prefiller = {"kv_request_id": transfer, "remote_host": host, "remote_port": port}
     decode_params = {"remote_prefiller": prefiller}
-    legs.prefill = Leg(plan.prefill, "prefill", _with_params(prefill_only(legs.client_body), prefill_params), headers)
+    prefill_body = _with_params(prefill_only(legs.client_body, legs.route), prefill_params)
+    legs.prefill = Leg(plan.prefill, "prefill", prefill_body, headers)
     legs.final = Leg(plan.decode, "decode", _with_params(legs.client_body, decode_params), headers)
 
 
@@ -300,7 +313,8 @@ def _nixl(legs: Legs, plan: RoutePlan, conversation_params: Mapping[str, Any] | 
         # rest, and produces for the new decoder. Hosts come from the stored answer of a registered worker.
         stored = {k: copy.deepcopy(v) for k, v in conversation_params.items() if k not in P2P_KEYS}
         params = {**stored, "do_remote_decode": True, "do_remote_prefill": False}
-    legs.prefill = Leg(plan.prefill, "prefill", _with_params(prefill_only(legs.client_body), params), headers)
+    prefill_body = _with_params(prefill_only(legs.client_body, legs.route), params)
+    legs.prefill = Leg(plan.prefill, "prefill", prefill_body, headers)
 
 
 def conversation_params_from_response(response: Any) -> dict[str, Any] | None:

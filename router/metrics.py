@@ -2,20 +2,35 @@
 
 A registry per app (instead of the global default) lets tests and benchmarks create many apps in one
 process without "Duplicated timeseries" errors, and keeps one router's numbers separate from another's.
+
+Under ``kvroute serve --processes N`` the parent sets ``PROMETHEUS_MULTIPROC_DIR`` for its children:
+every value then lives in a per-process file, and a scrape of any child answers the aggregate of all of
+them (counters and histograms summed, dead children's included; each gauge by the mode it declares), so
+``/metrics`` does not depend on which child the scrape reached.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.multiprocess import MultiProcessCollector
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _DECISION_BUCKETS = (0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+#: The environment variable prometheus_client reads at import: set, metric values live in files there.
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
+def multiprocess_dir() -> str | None:
+    """The shared metrics folder of a multi-process ``kvroute serve`` (None: one process)."""
+    return os.environ.get(MULTIPROC_ENV) or None
 
 
 class RouterMetrics:
@@ -23,6 +38,9 @@ class RouterMetrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry(auto_describe=True)
+        self.multiproc_dir = multiprocess_dir()
+        #: Multi-process mode: in-flight counts published from here (callback gauges are not shared).
+        self._inflight_reads: dict[str, Callable[[], float]] = {}
         r = self.registry
         self.requests = Counter(
             "kvroute_requests_total",
@@ -61,6 +79,7 @@ class RouterMetrics:
             "source (device, host, disk, p2p, ...); compare with kvroute_predicted_cached_tokens_by_source_total",
             ["worker", "source"],
             registry=r,
+            multiprocess_mode="livemostrecent",
         )
         self.rejections = Counter(
             "kvroute_admission_rejections_total",
@@ -68,20 +87,42 @@ class RouterMetrics:
             ["worker", "status"],
             registry=r,
         )
+        # Every serving process sees its own requests: in-flight counts add up; what each of them probes or
+        # scrapes from the same worker is one value (the latest).
         self.inflight = Gauge(
-            "kvroute_worker_inflight", "Requests the router has in flight to each worker", ["worker"], registry=r
+            "kvroute_worker_inflight",
+            "Requests the router has in flight to each worker",
+            ["worker"],
+            registry=r,
+            multiprocess_mode="livesum",
         )
         self.healthy = Gauge(
-            "kvroute_worker_healthy", "1 when the worker passes its health probes", ["worker"], registry=r
+            "kvroute_worker_healthy",
+            "1 when the worker passes its health probes",
+            ["worker"],
+            registry=r,
+            multiprocess_mode="livemostrecent",
         )
         self.worker_running = Gauge(
-            "kvroute_worker_requests_running", "Scraped vllm:num_requests_running", ["worker"], registry=r
+            "kvroute_worker_requests_running",
+            "Scraped vllm:num_requests_running",
+            ["worker"],
+            registry=r,
+            multiprocess_mode="livemostrecent",
         )
         self.worker_waiting = Gauge(
-            "kvroute_worker_requests_waiting", "Scraped vllm:num_requests_waiting", ["worker"], registry=r
+            "kvroute_worker_requests_waiting",
+            "Scraped vllm:num_requests_waiting",
+            ["worker"],
+            registry=r,
+            multiprocess_mode="livemostrecent",
         )
         self.worker_kv_usage = Gauge(
-            "kvroute_worker_kv_cache_usage", "Scraped vllm:kv_cache_usage_perc", ["worker"], registry=r
+            "kvroute_worker_kv_cache_usage",
+            "Scraped vllm:kv_cache_usage_perc",
+            ["worker"],
+            registry=r,
+            multiprocess_mode="livemostrecent",
         )
         self.cached_tokens = Counter(
             "kvroute_cached_prompt_tokens_total",
@@ -116,13 +157,35 @@ class RouterMetrics:
             found = self._children[key] = metric.labels(*labels)
         return found
 
+    def watch_inflight(self, worker_id: str, read: Callable[[], float]) -> None:
+        """``kvroute_worker_inflight{worker}`` from ``read()``: called at scrape time in one process (no
+        metric update on the hot path); with several processes, written by :meth:`publish`."""
+        if self.multiproc_dir is None:
+            self.inflight.labels(worker_id).set_function(read)
+        else:
+            self._inflight_reads[worker_id] = read
+
+    def publish(self) -> None:
+        """Multi-process mode: write this process's callback values where the other processes read them
+        (the registry calls it every metrics interval, a scrape of this process before answering)."""
+        for worker_id, read in self._inflight_reads.items():
+            self.inflight.labels(worker_id).set(read())
+
     def forget_worker(self, worker_id: str) -> None:
         """Drop a removed worker's series so dashboards do not show ghosts."""
+        self._inflight_reads.pop(worker_id, None)
         gauges = (self.inflight, self.healthy, self.worker_running, self.worker_waiting, self.worker_kv_usage)
         for gauge in gauges:
             with contextlib.suppress(KeyError):
                 gauge.remove(worker_id)
 
     def render(self) -> bytes:
-        """The router's metrics, then the process-wide ones (the indexer's, process stats)."""
+        """The router's metrics, then the process-wide ones (the indexer's, process stats). With several
+        processes: the aggregate of every process's files, and only that (a collector's values, such as
+        ``process_*`` or the prefix caches', would describe whichever process the scrape reached)."""
+        if self.multiproc_dir is not None:
+            self.publish()
+            aggregate = CollectorRegistry()
+            MultiProcessCollector(aggregate, path=self.multiproc_dir)  # type: ignore[no-untyped-call]
+            return generate_latest(aggregate)
         return generate_latest(self.registry) + generate_latest(REGISTRY)

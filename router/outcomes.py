@@ -2,7 +2,7 @@
 
 Each answered request becomes a :class:`~kvroute.policies.base.RouteOutcome` for ``policy.observe`` (how
 the cost model calibrates itself on TTFT and cached tokens), and the prediction check: the plan's predicted
-cached tokens against the engine's ``usage.prompt_tokens_details.cached_tokens``; a predicted hit the
+cached tokens against the cached tokens the engine reported (each surface's usage shape); a predicted hit the
 engine did not serve is a *stale* decision.
 """
 
@@ -15,7 +15,9 @@ from kvroute.router.facts import Facts
 from kvroute.router.forwarding import Result
 from kvroute.router.kv_metrics import KVRouteMetrics
 from kvroute.router.metrics import RouterMetrics
-from kvroute.router.requests import CHAT, COMPLETIONS, ParsedRequest
+from kvroute.router.receipts import Receipts, receipt_of
+from kvroute.router.requests import ParsedRequest
+from kvroute.router.surfaces import SURFACE_NAMES, usage_counts
 
 log = logging.getLogger("kvroute.outcomes")
 
@@ -25,7 +27,7 @@ SOURCE_OF_TIER = {"GPU": "device", "CPU": "host", "STORAGE": "disk", "REMOTE": "
 
 def surface_of(request: ParsedRequest) -> str:
     """The API surface a prediction is checked on: a tokenizer or template mismatch shows on one of them."""
-    surface = "chat" if request.route == CHAT else "completions" if request.route == COMPLETIONS else "other"
+    surface = SURFACE_NAMES.get(request.route, "other")
     if request.json is not None and request.json.get("cache_salt"):
         surface += "+salted"
     return surface
@@ -34,9 +36,12 @@ def surface_of(request: ParsedRequest) -> str:
 class Outcomes:
     """Records decisions and outcomes; the policy's name labels the decision histogram."""
 
-    def __init__(self, metrics: RouterMetrics, kv_metrics: KVRouteMetrics, policy_name: str) -> None:
+    def __init__(
+        self, metrics: RouterMetrics, kv_metrics: KVRouteMetrics, policy_name: str, receipts: Receipts | None = None
+    ) -> None:
         self.metrics = metrics
         self.kv = kv_metrics
+        self.receipts = receipts
         self._decision = metrics.decision.labels(policy_name)
 
     def relabel(self, policy_name: str) -> None:
@@ -47,10 +52,7 @@ class Outcomes:
         self._decision.observe(seconds)
 
     def record(self, request: ParsedRequest, facts: Facts, plan: RoutePlan, result: Result, policy: Policy) -> None:
-        usage = result.usage or {}
-        prompt_tokens = usage.get("prompt_tokens")
-        details = usage.get("prompt_tokens_details")
-        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        prompt_tokens, cached, _ = usage_counts(request.route, result.usage)
         model = request.model or ""
         m = self.metrics
         if isinstance(prompt_tokens, int):
@@ -69,6 +71,20 @@ class Outcomes:
             ttft_s=result.ttfb_s if request.stream else None,
             ok=result.ok,
         )
+        if self.receipts is not None:
+            self.receipts.add(
+                receipt_of(
+                    request.request_id,
+                    model,
+                    plan,
+                    prompt_tokens=outcome.prompt_tokens or None,
+                    cached_tokens=outcome.cached_tokens,
+                    ttfb_s=result.ttfb_s,
+                    stream=request.stream,
+                    status=result.status,
+                    ok=result.ok,
+                )
+            )
         try:
             policy.observe(outcome)
         except Exception:

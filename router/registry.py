@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import orjson
@@ -152,6 +152,16 @@ def parse_vllm_metrics(text: str) -> WorkerLoad:
     return load
 
 
+def counters_went_back(before: WorkerLoad, after: WorkerLoad) -> bool:
+    """Whether a monotonic engine counter is lower than at the previous scrape: the engine process restarted
+    (its prefix cache with it). vLLM exports no prefix-cache reset count nor cached-block gauge, so a reset
+    of a live engine shows here not at all; only its ``AllBlocksCleared`` event tells."""
+    if after.prefix_queries < before.prefix_queries or after.prefix_hits < before.prefix_hits:
+        return True
+    now = after.cached_by_source  # a source missing from this page is no evidence (a partial or older page)
+    return any(source in now and now[source] < value for source, value in before.cached_by_source.items())
+
+
 class WorkerRegistry:
     """Workers by id, their health and load, and the background tasks that keep that fresh."""
 
@@ -166,8 +176,11 @@ class WorkerRegistry:
         unhealthy_after: int = 2,
         healthy_after: int = 1,
         probe_timeout_s: float = 2.0,
+        adapters: Mapping[str, str] | None = None,
     ) -> None:
         self._workers: dict[str, WorkerState] = {}
+        #: Configured LoRA adapter -> base model (``models[].base_model``); a reload replaces it.
+        self.adapters: dict[str, str] = dict(adapters or {})
         self._transport = transport
         self._metrics = metrics
         self.health_interval_s = health_interval_s
@@ -181,6 +194,9 @@ class WorkerRegistry:
         self._full_until_max = 0.0
         #: Called with (worker_id, healthy) on each transition (e.g. the indexer purges a dead worker).
         self.listeners: list[Callable[[str, bool], None]] = []
+        #: Called with (worker_id, reason) when a scrape shows the engine lost its prefix cache outside its KV
+        #: events (its counters went back: it restarted); the index then doubts the worker's entries.
+        self.cache_listeners: list[Callable[[str, str], None]] = []
         for cfg in workers:
             self._insert(cfg)
 
@@ -192,7 +208,7 @@ class WorkerRegistry:
         state = WorkerState(cfg)
         self._workers[cfg.worker_id] = state
         # Read at scrape time: keeps two locked metric updates per request off the hot path.
-        self._metrics.inflight.labels(cfg.worker_id).set_function(lambda: state.inflight)
+        self._metrics.watch_inflight(cfg.worker_id, lambda: state.inflight)
         self._metrics.healthy.labels(cfg.worker_id).set(0)
         return state
 
@@ -250,6 +266,20 @@ class WorkerRegistry:
 
     def knows_model(self, model: str) -> bool:
         return any(s.serves(model) for s in self._workers.values())
+
+    def base_of(self, model: str) -> str | None:
+        """The base model of LoRA adapter ``model`` (None for a base model). vLLM keys an adapter's blocks
+        with the base's tokens plus the adapter's name, and its events come under the base: the configured
+        mapping, else the ``parent`` a worker's /v1/models card names, says which base that is."""
+        base = self.adapters.get(model)
+        if base:
+            return base
+        for state in self._workers.values():
+            card = state.model_cards.get(model)
+            parent = card.get("parent") if card else None
+            if isinstance(parent, str) and parent and parent != model:
+                return parent
+        return None
 
     def ready(self, expected_models: Iterable[str] = ()) -> tuple[bool, list[str]]:
         """Ready when every configured (or else known) model has at least one healthy worker."""
@@ -370,7 +400,14 @@ class WorkerRegistry:
         except Exception as exc:
             log.debug("metrics scrape of %s failed: %r", state.id, exc)
             return
-        state.load = load
+        previous, state.load = state.load, load
+        if previous.scraped_at is not None and counters_went_back(previous, load):
+            log.info("worker %s: engine counters went back (restarted): its cached blocks are gone", state.id)
+            for cache_listener in list(self.cache_listeners):
+                try:
+                    cache_listener(state.id, "engine_restarted")
+                except Exception:
+                    log.exception("cache listener failed for %s", state.id)
         m = self._metrics
         m.worker_running.labels(state.id).set(load.running)
         m.worker_waiting.labels(state.id).set(load.waiting)
@@ -380,6 +417,7 @@ class WorkerRegistry:
 
     async def scrape_all(self) -> None:
         await asyncio.gather(*(self._scrape(s) for s in list(self._workers.values())))
+        self._metrics.publish()  # several serving processes: this one's in-flight counts, for the others
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -5,7 +5,9 @@ Picker (which sees the request as Envoy headers and body chunks) and ``/admin/ro
 same checks, the same sanitizing, the same answer to "what does this request ask for".
 
 The body is parsed once with orjson and only the fields the router needs are checked (``model``,
-``stream``, the prompt or messages). The raw bytes are kept: when nothing has to be rewritten they go to
+``stream``, the prompt, messages or input); for the generation routes (completions, chat, Anthropic
+Messages, Responses) :func:`~kvroute.router.surfaces.read_prompt` also reads what the engine will render,
+once, into ``ParsedRequest.prompt``. The raw bytes are kept: when nothing has to be rewritten they go to
 the worker untouched. What the client may not choose goes here, on every path that reaches a worker:
 its ``kv_transfer_params`` (stripped, or the request refused) and ``conversation_id`` (a router field).
 """
@@ -24,14 +26,17 @@ from kvroute.router.conversations import CONVERSATION_HEADER, ConversationError,
 from kvroute.router.errors import ApiError, bad_request
 from kvroute.router.kv_params import KVParamsError, sanitize_client_body
 from kvroute.router.paths import CONTROL_PATHS, canonical_path, proxied
+from kvroute.router.surfaces import CHAT as CHAT
+from kvroute.router.surfaces import COMPLETIONS as COMPLETIONS
+from kvroute.router.surfaces import MESSAGES as MESSAGES
+from kvroute.router.surfaces import RESPONSES as RESPONSES
+from kvroute.router.surfaces import SurfacePrompt, read_prompt
 
 RawHeaders = Sequence[tuple[bytes, bytes]]
 ClientParamsMode = Literal["strip", "refuse"]
 
-COMPLETIONS = "/v1/completions"
-CHAT = "/v1/chat/completions"
 #: The routes whose prompt the router reads (tokens, index lookup, conversation reuse).
-GENERATION_ROUTES = frozenset({COMPLETIONS, CHAT})
+GENERATION_ROUTES = frozenset({COMPLETIONS, CHAT, MESSAGES, RESPONSES})
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 #: Never forwarded to a worker (RFC 9110 §7.6.1 hop-by-hop, plus what the client library recomputes).
 HOP_BY_HOP = frozenset(
@@ -103,6 +108,8 @@ class ParsedRequest:
     started: float = field(default_factory=time.perf_counter)
     #: Workers already tried for this request (a retry goes elsewhere).
     tried: set[str] = field(default_factory=set)
+    #: What the engine will render for a generation route (read once, at parse time).
+    prompt: SurfacePrompt | None = None
 
     @property
     def generation(self) -> bool:
@@ -111,7 +118,7 @@ class ParsedRequest:
     @property
     def max_tokens(self) -> int | None:
         data = self.json or {}
-        value = data.get("max_completion_tokens", data.get("max_tokens"))
+        value = data.get("max_completion_tokens", data.get("max_output_tokens", data.get("max_tokens")))
         return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
@@ -177,9 +184,11 @@ def parse_request(
     wanted = {k: v.decode("latin-1") for k, v in raw_headers if k in _READ_HEADERS}
     data: dict[str, Any] | None
     model: str | None
+    prompt: SurfacePrompt | None = None
     if bare in GENERATION_ROUTES:
         data = parse_json_object(body)
-        model, stream = check_generation(data, "chat" if bare == CHAT else "completion")
+        model, stream = check_generation(data, bare)
+        prompt = read_prompt(bare, data)
         route = bare
     else:
         data, model, stream = sniff_passthrough(body)
@@ -196,6 +205,7 @@ def parse_request(
         stream=stream,
         latency_class=wanted.get(b"x-kvroute-latency-class", "interactive"),
         wants_debug=wanted.get(b"x-kvroute-debug") == "1",
+        prompt=prompt,
     )
     if data is not None:
         _take_client_fields(request, data, wanted, client_kv_params)
@@ -277,20 +287,24 @@ def sniff_passthrough(body: bytes) -> tuple[dict[str, Any] | None, str | None, b
 MAX_TOKEN_ID = (1 << 32) - 1
 
 
-def check_generation(data: dict[str, Any], kind: str) -> tuple[str, bool]:
-    """Check every field routing reads (``kind``: "completion" or "chat"), as vLLM would accept it; a
-    mistake is a 400 naming the field, never a failure further down. Returns (model, stream)."""
+def check_generation(data: dict[str, Any], route: str) -> tuple[str | None, bool]:
+    """Check the fields every generation route reads (``route``: one of :data:`GENERATION_ROUTES`; the
+    prompt's own are :func:`~kvroute.router.surfaces.read_prompt`'s), as vLLM would accept them; a
+    mistake is a 400 naming the field, never a failure further down. Returns (model, stream); only a
+    Responses request may leave the model to the engine."""
     model = data.get("model")
-    if not isinstance(model, str) or not model:
+    if route == RESPONSES and model is None:
+        pass
+    elif not isinstance(model, str) or not model:
         raise bad_request("`model` is required and must be a non-empty string", "invalid_model")
     stream = data.get("stream", False)
     if stream is None:
         stream = False
     if not isinstance(stream, bool):
         raise bad_request("`stream` must be a boolean", "invalid_stream")
-    if kind == "chat":
+    if route == CHAT:
         _check_messages(data.get("messages"))
-    else:
+    elif route == COMPLETIONS:
         _check_prompt(data.get("prompt"))
     for name in ("max_tokens", "max_completion_tokens", "n"):
         value = data.get(name)

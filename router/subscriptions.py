@@ -64,9 +64,11 @@ class SubscriptionSync:
             cfg = await self._ask_sources(worker)
             if not cfg.kv_events:
                 return None  # no event source: the worker is routed by load only
+        first = worker.models[0]
         return WorkerSpec(
             worker_id=cfg.worker_id,
-            model=worker.models[0],
+            # Events do not name the model; an adapter's blocks are the base model's, keyed with its name.
+            model=self.registry.base_of(first) or first,
             endpoint=cfg.kv_events,
             topic=cfg.kv_events_topic,
             replay=cfg.replay,

@@ -139,7 +139,10 @@ class Engine:
     # -- admission -----------------------------------------------------------------------------------
 
     def pump(self) -> None:
-        """Admit waiting requests in arrival order while a sequence slot and KV space are free."""
+        """Admit waiting requests in arrival order while a sequence slot and KV space are free. With requests
+        to schedule this is an engine step: it publishes a prefix-cache reset's ``AllBlocksCleared``."""
+        if self._queue:
+            self.cache.step()
         while self._queue and self.running < self.preset.max_num_seqs:
             adm = self._queue[0]
             if adm.future.done():  # cancelled while waiting

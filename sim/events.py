@@ -1,10 +1,10 @@
 """The KV events a simulated worker emits, and vLLM 0.33's exact encoding of them.
 
 :class:`SimBlockStored` / :class:`SimBlockRemoved` are the shared wire types
-(``kvroute.indexer.events``) plus the fields vLLM 0.32-0.33 added: the KV-cache group's spec
-(``kv_cache_spec_kind``, ``kv_cache_spec_sliding_window``), ``ownership`` (the secondary offloading tier
-that produced the event), ``session_id`` (the session of the request that stored the blocks) and
-``lookahead_token_ids`` (the tokens past each block its hash covers, EAGLE-style lookahead hashing).
+(``kvroute.indexer.events``, which carry the fields vLLM 0.32-0.33 added: the KV-cache group's spec
+``kv_cache_spec_kind`` / ``kv_cache_spec_sliding_window``, ``ownership`` (the secondary offloading tier
+that produced the event) and ``lookahead_token_ids`` (the tokens past each block its hash covers,
+EAGLE-style lookahead hashing)) plus ``session_id`` (the session of the request that stored the blocks).
 
 Two encodings:
 
@@ -35,19 +35,15 @@ SLIDING_WINDOW = "sliding_window"
 
 
 class SimBlockStored(BlockStored, kw_only=True, gc=False):
-    """``BlockStored`` with vLLM 0.33's optional fields (ignored by the legacy encoding)."""
+    """``BlockStored`` as the sim emits it: the group's spec set (full attention unless told), plus the
+    ``session_id`` the index does not decode (the 0.33 fields are ignored by the legacy encoding)."""
 
     kv_cache_spec_kind: str | None = FULL_ATTENTION
-    kv_cache_spec_sliding_window: int | None = None
-    ownership: str | None = None
     session_id: str | None = None
-    lookahead_token_ids: list[list[int]] | None = None
 
 
 class SimBlockRemoved(BlockRemoved, kw_only=True, gc=False):
-    """``BlockRemoved`` with vLLM 0.33's ``ownership``."""
-
-    ownership: str | None = None
+    """``BlockRemoved`` as the sim emits it (``ownership`` is a shared field)."""
 
 
 def _optional(item: dict[str, Any], **fields: object) -> None:
@@ -67,28 +63,24 @@ def _stored_v033(event: BlockStored) -> dict[str, Any]:
         "medium": event.medium,
         "lora_name": event.lora_name,
     }
-    if isinstance(event, SimBlockStored):
-        _optional(
-            item,
-            extra_keys=event.extra_keys,
-            group_idx=event.group_idx,
-            kv_cache_spec_kind=event.kv_cache_spec_kind,
-            kv_cache_spec_sliding_window=event.kv_cache_spec_sliding_window,
-            ownership=event.ownership,
-            session_id=event.session_id,
-            lookahead_token_ids=event.lookahead_token_ids,
-        )
-    else:
-        _optional(item, extra_keys=event.extra_keys, group_idx=event.group_idx, kv_cache_spec_kind=FULL_ATTENTION)
+    sim = isinstance(event, SimBlockStored)
+    _optional(
+        item,
+        extra_keys=event.extra_keys,
+        group_idx=event.group_idx,
+        # A shared-type event from elsewhere is the GPU pool's full-attention group unless it says otherwise.
+        kv_cache_spec_kind=event.kv_cache_spec_kind if sim else event.kv_cache_spec_kind or FULL_ATTENTION,
+        kv_cache_spec_sliding_window=event.kv_cache_spec_sliding_window,
+        ownership=event.ownership,
+        session_id=event.session_id if isinstance(event, SimBlockStored) else None,
+        lookahead_token_ids=event.lookahead_token_ids,
+    )
     return item
 
 
 def _removed_v033(event: BlockRemoved) -> dict[str, Any]:
     item: dict[str, Any] = {"type": "BlockRemoved", "block_hashes": event.block_hashes, "medium": event.medium}
-    if isinstance(event, SimBlockRemoved):
-        _optional(item, group_idx=event.group_idx, ownership=event.ownership)
-    else:
-        item["group_idx"] = event.group_idx
+    _optional(item, group_idx=event.group_idx, ownership=event.ownership)
     return item
 
 

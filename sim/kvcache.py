@@ -60,8 +60,9 @@ class Block:
 
 
 def contiguous_window_blocks(window: int, block_size: int) -> int:
-    """Blocks a sliding-window hit needs before its boundary: vLLM's ``cdiv(sliding_window - 1, block_size)``."""
-    return max(0, -(-(window - 1) // block_size))
+    """Blocks a sliding-window hit needs before its boundary: vLLM's ``cdiv(sliding_window - 1, block_size)``
+    (at least one: vLLM's right-to-left search needs a cached block to stop at)."""
+    return max(1, -(-(window - 1) // block_size))
 
 
 class SlidingWindowGroup:
@@ -197,9 +198,14 @@ class PagedCache:
         self.self_describing = self_describing
         self.lookahead = lookahead
         self.offload_ownership = offload_ownership
-        self._emit = emit
+        self._sink = emit
+        #: A reset's ``AllBlocksCleared`` waits for the engine's next step, as vLLM's does (its block pool
+        #: queues the event, the scheduler publishes the queue after a step, an idle engine runs none).
+        self.clear_pending = False
         self.swa = (
-            SlidingWindowGroup(sliding_window, block_size, gpu_blocks, emit) if sliding_window is not None else None
+            SlidingWindowGroup(sliding_window, block_size, gpu_blocks, self._emit)
+            if sliding_window is not None
+            else None
         )
         self.gpu: dict[BlockHash, Block] = {}
         self.lru: OrderedDict[BlockHash, None] = OrderedDict()
@@ -207,6 +213,18 @@ class PagedCache:
         self.reserved = 0
         self._next_bid = 0
         self._seed_bytes = self.seed.to_bytes(8, "little")
+
+    def _emit(self, event: KVEvent) -> None:
+        """Every event goes out after a pending reset's ``AllBlocksCleared`` (vLLM's queue keeps the order)."""
+        if self.clear_pending:
+            self.step()
+        self._sink(event)
+
+    def step(self) -> None:
+        """An engine step: a reset's ``AllBlocksCleared`` is published now, with whatever the step stores."""
+        if self.clear_pending:
+            self.clear_pending = False
+            self._sink(AllBlocksCleared())
 
     # -- hashing -------------------------------------------------------------------------------------
 
@@ -411,24 +429,31 @@ class PagedCache:
         lookahead: Sequence[list[int]] | None = None,
     ) -> None:
         """``kv_cache_report_mode: "full"``: announce a request's prefix-cache hit (blocks 0..n) again, with
-        its session, as vLLM's ``emit_cached_block_events`` does; nothing changes in the cache."""
+        its session, as vLLM's ``emit_cached_block_events`` does; nothing changes in the cache. vLLM does so
+        per KV-cache group with a hit, and for a sliding-window group that is every block of the hit, the
+        out-of-window ones it does not hold (null blocks in its hit) included: so does the sim."""
         if not hashes:
             return
         bs = self.block_size
-        self._emit(
-            SimBlockStored(
-                block_hashes=list(hashes),
-                parent_block_hash=None,
-                token_ids=list(tokens[: len(hashes) * bs]),
-                block_size=bs,
-                medium="GPU",
-                extra_keys=[extras[i] if i < len(extras) else None for i in range(len(hashes))] if extras else None,
-                group_idx=0,
-                kv_cache_spec_kind=FULL_ATTENTION,
-                session_id=session_id,
-                lookahead_token_ids=[list(x) for x in lookahead[: len(hashes)]] if lookahead is not None else None,
+        groups: list[tuple[int, str, int | None]] = [(0, FULL_ATTENTION, None)]
+        if self.swa is not None:
+            groups.append((self.swa.group_idx, SLIDING_WINDOW, self.swa.window))
+        for group_idx, kind, window in groups:
+            self._emit(
+                SimBlockStored(
+                    block_hashes=list(hashes),
+                    parent_block_hash=None,
+                    token_ids=list(tokens[: len(hashes) * bs]),
+                    block_size=bs,
+                    medium="GPU",
+                    extra_keys=[extras[i] if i < len(extras) else None for i in range(len(hashes))] if extras else None,
+                    group_idx=group_idx,
+                    kv_cache_spec_kind=kind,
+                    kv_cache_spec_sliding_window=window,
+                    session_id=session_id,
+                    lookahead_token_ids=[list(x) for x in lookahead[: len(hashes)]] if lookahead is not None else None,
+                )
             )
-        )
 
     def release(self, alloc: Allocation) -> None:
         """Drop a request's references (tail first, so the tail is evicted first) and its reserved slots."""
@@ -511,7 +536,9 @@ class PagedCache:
             )
 
     def reset(self) -> bool:
-        """Reset the prefix cache (vLLM refuses while blocks are in use); emits ``AllBlocksCleared``."""
+        """Reset the prefix cache (vLLM refuses while blocks are in use). ``AllBlocksCleared`` goes out at
+        the next engine step (:meth:`step`), as in vLLM: until then the engine's subscribers still believe
+        in the blocks it no longer has."""
         if self.reserved or len(self.lru) != len(self.gpu):
             return False
         self.gpu.clear()
@@ -519,5 +546,5 @@ class PagedCache:
         self.cpu.clear()
         if self.swa is not None:
             self.swa.clear()
-        self._emit(AllBlocksCleared())
+        self.clear_pending = True
         return True

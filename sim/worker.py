@@ -275,12 +275,17 @@ class SimWorker:
         }
 
     def reset(self) -> bool:
-        """Drop every hold and reset the prefix cache (between benchmark runs); False while requests run."""
+        """Drop every hold and reset the prefix cache (between benchmark runs); False while requests run.
+        Unlike vLLM's ``POST /reset_prefix_cache`` (whose ``AllBlocksCleared`` waits for the next engine step),
+        this control of the sim's own publishes it at once, so a run starts from an index that knows it."""
         if any(r.engine.running for r in self.ranks):
             return False
         for r in self.ranks:
             r.engine.transfers.close()
-        return all([r.engine.reset_prefix_cache() for r in self.ranks])
+        done = all([r.engine.reset_prefix_cache() for r in self.ranks])
+        for r in self.ranks:
+            r.engine.cache.step()
+        return done
 
     # -- lifecycle -----------------------------------------------------------------------------------
 

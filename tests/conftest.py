@@ -1,4 +1,4 @@
-"""Shared fixtures: a private redis-server on a free port, free ports, small helpers."""
+"""Shared fixtures: a private redis-server on a free port, a private Redis Cluster, free ports, small helpers."""
 
 from __future__ import annotations
 
@@ -10,8 +10,12 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from tests.redis_cluster import LocalCluster
 
 
 def free_port() -> int:
@@ -98,3 +102,21 @@ def redis_url(redis_server: RedisServer) -> Iterator[str]:
     client.flushall()
     client.close()
     yield redis_server.url
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[LocalCluster]:
+    """A private 3-master Redis Cluster (tests/redis_cluster.py), started once for the session."""
+    from tests.redis_cluster import LocalCluster
+
+    cluster = LocalCluster(masters=3)
+    cluster.start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def cluster_url(redis_cluster: LocalCluster) -> str:
+    """The session cluster's seed URL, every master flushed for this test."""
+    redis_cluster.flushall()
+    return redis_cluster.url

@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import httpx
+from fastapi import APIRouter
 from kvroute.config import RouterConfig, WorkerConfig
 from kvroute.indexer.backend import IndexBackend
 from kvroute.indexer.maintenance import IndexMaintenance
@@ -35,7 +36,10 @@ from kvroute.router.index_admin import index_admin_router
 from kvroute.router.kv_metrics import KVRouteMetrics
 from kvroute.router.metrics import RouterMetrics
 from kvroute.router.outcomes import Outcomes
+from kvroute.router.receipts import Receipts
+from kvroute.router.receipts_admin import receipts_router
 from kvroute.router.registry import WorkerRegistry
+from kvroute.router.routed_prefixes import RoutedPrefixes
 from kvroute.router.state import RouterState, Service
 from kvroute.router.subscriptions import SubscriptionSync
 from kvroute.router.tokens import Tokenizers
@@ -54,7 +58,9 @@ def make_backend(config: RouterConfig) -> IndexBackend:
     if index.backend == "redis":
         from kvroute.indexer.redis_index import RedisIndex
 
-        return RedisIndex(index.redis_url, prefix=index.redis_prefix, ttl_s=index.block_ttl_s)
+        return RedisIndex(
+            index.redis_url, prefix=index.redis_prefix, ttl_s=index.block_ttl_s, cluster=index.redis_cluster
+        )
     return MemoryIndex(max_blocks=index.max_blocks)
 
 
@@ -122,7 +128,10 @@ def make_conversations(config: RouterConfig) -> ConversationStore | None:
         return None
     if config.index.backend == "redis":
         return RedisConversationStore(
-            config.index.redis_url, ttl_s=config.pool.conversation_ttl_s, prefix=f"{config.index.redis_prefix}:conv"
+            config.index.redis_url,
+            ttl_s=config.pool.conversation_ttl_s,
+            prefix=f"{config.index.redis_prefix}:conv",
+            cluster=config.index.redis_cluster,
         )
     return MemoryConversationStore(ttl_s=config.pool.conversation_ttl_s)
 
@@ -163,24 +172,32 @@ def build_state(
         unhealthy_after=c.unhealthy_after,
         healthy_after=c.healthy_after,
         probe_timeout_s=min(c.connect_timeout_s + 1.0, c.health_interval_s + 1.0),
+        adapters=c.adapter_bases(),
     )
     indexer = make_indexer(c, metrics=IndexerMetrics(metrics.registry))
+    registry.cache_listeners.append(indexer.doubt_worker)  # an engine restart seen in its counters
     tokenize_client = httpx.AsyncClient(timeout=10.0, limits=httpx.Limits(max_connections=64))
 
     def worker_urls_for(model: str) -> list[str]:
         return [w.url for w in registry.all() if w.healthy and w.serves(model)]
 
-    tokenizers = Tokenizers.from_models(c.models, tokenize_client, worker_urls_for)
+    tokenizers = Tokenizers.from_models(
+        c.models, tokenize_client, worker_urls_for, lambda reason: kv_metrics.render_failures.labels(reason).inc()
+    )
     conversations = make_conversations(c)
     policy = policy or create_policy(c.policy, pool_context(c), **c.policy_options)
     forwarder = Forwarder(transport, registry, metrics, first_byte_timeout_s=c.first_byte_timeout_s)
-    facts = FactGatherer(registry, kv_metrics, tokenizers=tokenizers, indexer=indexer, conversations=conversations)
+    routed = RoutedPrefixes(c.routed_prefix_ttl_s) if c.routed_prefix_ttl_s > 0 else None
+    facts = FactGatherer(
+        registry, kv_metrics, tokenizers=tokenizers, indexer=indexer, conversations=conversations, routed=routed
+    )
+    receipts = Receipts(c.receipts, c.receipts_path) if c.receipts or c.receipts_path else None
     flow = RequestFlow(
         registry,
         policy,
         forwarder,
         facts,
-        Outcomes(metrics, kv_metrics, policy.name or type(policy).__name__),
+        Outcomes(metrics, kv_metrics, policy.name or type(policy).__name__, receipts),
         metrics,
         kv_metrics,
         protocol=c.pool.kv_protocol,
@@ -205,6 +222,8 @@ def build_state(
         services.append(Closing("conversation store", conversations.close))
     services.append(Closing("index backend", indexer.backend.close))
     services.append(Closing("upstream transport", transport.aclose))
+    if receipts is not None:
+        services.append(Closing("receipts", receipts.close))
     metrics.registry.register(
         PrefixCacheCollector(
             lambda: {
@@ -224,11 +243,18 @@ def build_app(
     policy: Policy | None = None,
     transport: Transport | None = None,
     extra_services: Sequence[Callable[[RouterState], Service]] = (),
+    admin_routers: Sequence[APIRouter] = (),
 ) -> Starlette:
-    """The full router app (``kvroute serve``): state + HTTP surface + admin (index, explain)."""
+    """The full router app (``kvroute serve``): state + HTTP surface + admin (index, explain, and
+    ``admin_routers``: a serving process's ``/admin/process``)."""
     state = build_state(config, policy=policy, transport=transport, extra_services=extra_services)
     admin = [
-        index_admin_router(state.indexer, lambda: state.config.admin_token, state.tokenizers.tokenize),
+        index_admin_router(
+            state.indexer, lambda: state.config.admin_token, state.tokenizers.tokenize, state.registry.base_of
+        ),
         explain_router(),
+        *admin_routers,
     ]
+    if state.flow.outcomes.receipts is not None:
+        admin.append(receipts_router(state.flow.outcomes.receipts))
     return create_app(state, admin_routers=admin)

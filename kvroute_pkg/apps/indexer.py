@@ -65,7 +65,8 @@ def build_from_config(
             )
             continue
         if worker.models:
-            subscriber.add_worker(spec_for(worker, worker.models[0]))
+            first = worker.models[0]  # an adapter's events are its base model's
+            subscriber.add_worker(spec_for(worker, config.adapter_bases().get(first, first)))
     return indexer, subscriber
 
 

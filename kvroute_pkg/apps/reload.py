@@ -26,7 +26,16 @@ from prometheus_client import Counter
 log = logging.getLogger("kvroute.reload")
 
 #: Settings a running router cannot change; a reload that changes them says so.
-RESTART_ONLY = ("host", "port", "index", "http_client", "max_body_bytes", "connect_timeout_s", "read_timeout_s")
+RESTART_ONLY = (
+    "host",
+    "port",
+    "index",
+    "http_client",
+    "max_body_bytes",
+    "connect_timeout_s",
+    "read_timeout_s",
+    "processes",
+)
 
 
 class ConfigReloader:
@@ -127,6 +136,7 @@ class ConfigReloader:
             state.flow.outcomes.relabel(policy.name or type(policy).__name__)
             changes.append(f"policy {new.policy} rebuilt with the new options and figures")
         retokenized = state.tokenizers.update_models(new.models)
+        registry.adapters = new.adapter_bases()
         if retokenized:
             changes.append(f"tokenizers of {', '.join(retokenized)}")
         if old.admin_token != new.admin_token:

@@ -24,6 +24,12 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "--worker http://127.0.0.1:8101 (models discovered from each worker's /v1/models).",
     )
     add_common_arguments(parser)
+    parser.add_argument(
+        "--processes",
+        type=int,
+        metavar="N",
+        help="serving processes sharing the port (default 1; see docs/design-notes.md, Serving across cores)",
+    )
     parser.set_defaults(func=run)
     return parser
 
@@ -61,15 +67,17 @@ def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
         "http_client": args.http_client,
         "max_body_bytes": args.max_body_bytes,
         "log_level": args.log_level,
+        "processes": getattr(args, "processes", None),  # kvroute serve only
     }
 
 
-def load_checked(args: argparse.Namespace, prog: str) -> RouterConfig | int:
-    """The validated RouterConfig, or an exit code (2: invalid) after printing why."""
+def load_checked(args: argparse.Namespace, prog: str, overrides: dict[str, Any] | None = None) -> RouterConfig | int:
+    """The validated RouterConfig (flags as overrides unless ``overrides`` are given), or an exit code
+    (2: invalid) after printing why."""
     from kvroute.config import ConfigError, load_config
 
     try:
-        config = load_config(args.config, overrides_from(args))
+        config = load_config(args.config, overrides_from(args) if overrides is None else overrides)
     except ConfigError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2
@@ -116,41 +124,63 @@ def run_router(
     extra_services: Callable[[RouterConfig], Sequence[Callable[[RouterState], Service]]] | None = None,
 ) -> int:
     """Validate the config, build the router app (with the services ``extra_services(config)`` names: the
-    EPP's gRPC server), and serve it until stopped. Shared by ``kvroute serve`` and ``kvroute epp``."""
-    config = load_checked(args, prog)
+    EPP's gRPC server), and serve it until stopped. Shared by ``kvroute serve`` and ``kvroute epp``.
+    With ``processes`` > 1 this process supervises that many serving processes (:mod:`kvroute.apps.prefork`);
+    each of them comes back here as a child (:mod:`kvroute.apps.serving_process`)."""
+    from kvroute.apps.prefork import ChildSpec, refusal
+
+    child = ChildSpec.from_env()
+    overrides = child.overrides if child is not None else overrides_from(args)
+    config = load_checked(args, prog, overrides)
     if isinstance(config, int):
         return config
+    problem = refusal(config, serve=extra_services is None) if child is None else None
+    if problem:
+        print(f"{prog}: invalid configuration: processes: {problem}", file=sys.stderr)
+        return 2
     if args.check:
         print(config.model_dump_json(indent=2, exclude={"admin_token"}))
         return 0
+
+    level = config.log_level.lower()
+    setup_logging(level)
+    path = args.config or os.environ.get("KVROUTE_CONFIG")
+    if config.processes > 1 and child is None:
+        from kvroute.apps.prefork import supervise
+
+        return supervise(config, args.config, overrides, path)
 
     import uvicorn
     from kvroute.apps.build import build_app
     from kvroute.apps.http_protocol import guarded_protocol
 
-    level = config.log_level.lower()
-    setup_logging(level)
     services = list(extra_services(config)) if extra_services else []
-    path = args.config or os.environ.get("KVROUTE_CONFIG")
     if path:  # SIGHUP or a change of the file reloads it (kvroute.apps.reload)
         from kvroute.apps.reload import ConfigReloader
 
-        overrides = overrides_from(args)
         services.append(lambda state: ConfigReloader(state, path, overrides))
+    admin: list[Any] = []
+    if child is not None:
+        from kvroute.apps.serving_process import ParentWatch, process_router
+
+        services.append(lambda state: ParentWatch(child.parent_pid))
+        admin.append(process_router(child))
     try:
-        app = build_app(config, extra_services=services)
+        app = build_app(config, extra_services=services, admin_routers=admin)
     except (KeyError, TypeError, ValueError) as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2
-    uvicorn.run(
-        app,
-        host=config.host,
-        port=config.port,
-        loop=loop,
-        http=guarded_protocol(config.header_timeout_s, config.max_connections),
-        log_level=level,
-        access_log=False,
-        server_header=False,
-        proxy_headers=False,
-    )
+    options: dict[str, Any] = {
+        "loop": loop,
+        "http": guarded_protocol(config.header_timeout_s, config.max_connections),
+        "log_level": level,
+        "access_log": False,
+        "server_header": False,
+        "proxy_headers": False,
+    }
+    if child is not None:
+        from kvroute.apps.serving_process import serve_on_shared_port
+
+        return serve_on_shared_port(app, config.host, config.port, **options)
+    uvicorn.run(app, host=config.host, port=config.port, **options)
     return 0

@@ -43,7 +43,11 @@ class DiscoveryMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         r = registry or CollectorRegistry(auto_describe=True)
         self.workers = Gauge(
-            "kvroute_discovery_workers", "Workers each discovery source currently sees", ["source"], registry=r
+            "kvroute_discovery_workers",
+            "Workers each discovery source currently sees",
+            ["source"],
+            registry=r,
+            multiprocess_mode="livemax",
         )
         self.changes = Counter(
             "kvroute_discovery_changes_total",
@@ -61,6 +65,7 @@ class DiscoveryMetrics:
             "kvroute_discovery_pending_removals",
             "Discovered workers gone but still inside the grace period",
             registry=r,
+            multiprocess_mode="livemax",
         )
 
 

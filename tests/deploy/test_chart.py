@@ -333,6 +333,11 @@ def test_external_redis(render: Any) -> None:
     assert "redis_url" not in secret.config()["index"]
     env = {e["name"]: e for e in kvroute_container(secret, "router")["env"]}
     assert env["KVROUTE_INDEX__REDIS_URL"]["valueFrom"]["secretKeyRef"] == {"name": "redis-url", "key": "url"}
+    cluster = render(
+        None, "--set", "router.replicas=2,redis.external.url=redis://seed.example:6379,redis.external.cluster=true"
+    )
+    assert cluster.config()["index"]["redis_cluster"] is True
+    assert "redis_cluster" not in r.config()["index"]
 
 
 def test_several_replicas_without_redis_are_refused(helm: str) -> None:
@@ -355,6 +360,7 @@ def test_bad_values_are_refused(helm: str) -> None:
         "discovery.dns.enabled=true,discovery.dns.port=null": "port",
         # `kvroute indexer` exits without static workers: the chart says so instead.
         "redis.enabled=true,config.workers=null,discovery.dns.enabled=true,discovery.dns.name=v": "indexer",
+        "redis.enabled=true,redis.external.cluster=true": "redis.external.cluster needs",  # the chart's is one node
     }
     for flags, message in cases.items():
         done = chart.helm("template", chart.RELEASE, str(chart.CHART), "--set", flags, check=False)

@@ -57,12 +57,61 @@ FIELDS = {
     "conversation_id": JSON,
     "stream_options": st.one_of(st.just({"include_usage": True}), JSON),
 }
+#: Anthropic content blocks and Responses input items: known and unknown types, fields of any type.
+BLOCK = st.fixed_dictionaries(
+    {
+        "type": st.one_of(
+            st.sampled_from(["text", "image", "tool_use", "tool_result", "thinking", "tool_addition"]), JSON
+        )
+    },
+    optional={"text": st.one_of(st.text(max_size=20), JSON), "id": JSON, "input": JSON, "content": JSON},
+)
+ANTHROPIC_MESSAGE = st.fixed_dictionaries(
+    {},
+    optional={
+        "role": st.one_of(st.sampled_from(["user", "assistant", "system"]), JSON),
+        "content": st.one_of(st.text(max_size=40), st.lists(BLOCK, max_size=3), JSON),
+    },
+)
+ITEM = st.fixed_dictionaries(
+    {},
+    optional={
+        "type": st.one_of(st.sampled_from(["message", "function_call", "function_call_output", "reasoning"]), JSON),
+        "role": st.one_of(st.sampled_from(["user", "assistant", "developer"]), JSON),
+        "content": st.one_of(st.text(max_size=20), PARTS, JSON),
+        "call_id": JSON,
+        "name": JSON,
+        "arguments": JSON,
+        "status": JSON,
+        "summary": JSON,
+    },
+)
+SURFACE_FIELDS = {
+    "system": st.one_of(st.text(max_size=20), st.lists(BLOCK, max_size=2), JSON),
+    "tools": st.one_of(st.lists(JSON, max_size=2), JSON),
+    "thinking": JSON,
+    "output_config": JSON,
+    "instructions": JSON,
+    "previous_response_id": JSON,
+    "reasoning": JSON,
+    "max_output_tokens": JSON,
+    "chat_template_kwargs": JSON,
+}
 BODIES = st.one_of(
     st.fixed_dictionaries({"prompt": PROMPTS}, optional=FIELDS),
     st.fixed_dictionaries({"messages": st.one_of(st.lists(MESSAGE, max_size=3), JSON)}, optional=FIELDS),
+    st.fixed_dictionaries(
+        {"messages": st.one_of(st.lists(ANTHROPIC_MESSAGE, max_size=3), JSON)}, optional={**FIELDS, **SURFACE_FIELDS}
+    ),
+    st.fixed_dictionaries(
+        {"input": st.one_of(st.text(max_size=40), st.lists(ITEM, max_size=3), JSON)},
+        optional={**FIELDS, **SURFACE_FIELDS},
+    ),
     JSON,
 )
-PATHS = st.sampled_from(["/v1/completions", "/v1/chat/completions", "/tokenize", "/v1/responses", "/v1/embeddings"])
+PATHS = st.sampled_from(
+    ["/v1/completions", "/v1/chat/completions", "/tokenize", "/v1/responses", "/v1/messages", "/v1/embeddings"]
+)
 
 
 @contextlib.asynccontextmanager
@@ -78,7 +127,7 @@ def router() -> Iterator[tuple[str, str]]:
         yield value
 
 
-@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(path=PATHS, body=BODIES)
 def test_no_body_yields_a_5xx_or_a_non_json_error(router: tuple[str, str], path: str, body: Any) -> None:
     url, model = router

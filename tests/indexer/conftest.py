@@ -1,4 +1,4 @@
-"""Fixtures of the indexer tests: each backend (memory, and Redis on the private server), an indexer,
+"""Fixtures of the indexer tests: each backend (memory, Redis on the private server, Redis Cluster), an indexer,
 a Redis of the test's own (to stop and start), a ZMQ context."""
 
 from __future__ import annotations
@@ -16,13 +16,14 @@ from kvroute.indexer.service import KVIndexer
 from tests.conftest import RedisServer
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "redis-cluster"])
 async def backend(request: pytest.FixtureRequest) -> AsyncIterator[IndexBackend]:
     if request.param == "memory":
         yield MemoryIndex()
         return
-    url = request.getfixturevalue("redis_url")
-    index = RedisIndex(url, prefix="t")
+    cluster = request.param == "redis-cluster"
+    url = request.getfixturevalue("cluster_url" if cluster else "redis_url")
+    index = RedisIndex(url, prefix="t", cluster=cluster)
     yield index
     await index.close()
 

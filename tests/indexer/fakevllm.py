@@ -24,6 +24,7 @@ from kvroute.indexer.events import (
     encode_batch,
     encode_seq,
 )
+from kvroute.sim.events import encode_batch_v033
 
 from tests.polling import eventually as eventually
 
@@ -88,6 +89,11 @@ class Chain:
 
 def frames(events: Sequence[KVEvent], seq: int, dp_rank: int = 0, topic: bytes = b"", form: str = "map") -> list[bytes]:
     return [topic, encode_seq(seq), encode_batch(time.time(), list(events), dp_rank, form=form)]  # type: ignore[arg-type]
+
+
+def frames_v033(events: Sequence[KVEvent], seq: int, dp_rank: int = 0, topic: bytes = b"") -> list[bytes]:
+    """A message as vLLM 0.33 encodes it: its optional fields (groups, ownership, lookahead) only when set."""
+    return [topic, encode_seq(seq), encode_batch_v033(time.time(), list(events), dp_rank)]
 
 
 class Publisher:

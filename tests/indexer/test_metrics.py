@@ -33,6 +33,8 @@ FAMILIES = {
     "kvroute_index_reconciliations": ("worker", "outcome"),
     "kvroute_index_resyncs": ("worker", "reason"),
     "kvroute_index_stream_disconnects": ("worker",),
+    # A reset or restart seen outside the event stream (vLLM 0.33 edge, issue 15).
+    "kvroute_index_doubts": ("worker", "reason"),
 }
 
 

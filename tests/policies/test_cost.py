@@ -133,13 +133,46 @@ def test_pd_pool_splits_long_prompts_and_skips_prefill_for_short_ones() -> None:
     assert short.prefill == short.decode and short.decode.startswith("d")
 
 
-def test_pd_pool_cached_decoder_prefills_locally_only_below_threshold() -> None:
+def test_pd_pool_strict_roles_split_above_the_threshold() -> None:
     ws = workers(1, role="prefill", prefix="p") + workers(1, role="decode", prefix="d")
-    policy = kvaware(kv_protocol="nixl", pd_split_threshold_tokens=256)
+    policy = kvaware(kv_protocol="nixl", pd_split_threshold_tokens=256, pd_local_prefill=False)
     plan = policy.choose(request(16000, gpu("d0", 990)), ws)  # 160 uncached at d0
     assert (plan.prefill, plan.decode) == ("d0", "d0")
-    plan = policy.choose(request(16000, gpu("d0", 900)), ws)  # 1600 uncached: the split pays
+    plan = policy.choose(request(16000, gpu("d0", 900)), ws)  # 1600 uncached: strict roles split
     assert (plan.prefill, plan.decode) == ("p0", "d0")
+
+
+def test_pd_pool_decoder_holding_most_of_the_prompt_prefills_the_rest_itself() -> None:
+    """Conditional disaggregation: 1,600 uncached tokens on the decoder beat 16,000 on the empty prefiller."""
+    ws = workers(1, role="prefill", prefix="p") + workers(1, role="decode", prefix="d")
+    policy = kvaware(kv_protocol="nixl", pd_split_threshold_tokens=256)
+    plan = policy.choose(request(16000, gpu("d0", 900)), ws)
+    assert (plan.prefill, plan.decode) == ("d0", "d0")
+    assert "prefill busy" in plan.reason or "prefills locally" in plan.reason
+
+
+def test_pd_pool_decoders_take_prefills_only_when_the_prefill_workers_are_backed_up() -> None:
+    ws = workers(1, role="prefill", prefix="p") + workers(1, role="decode", prefix="d", running=4)
+    idle = kvaware(kv_protocol="nixl").choose(request(16000), ws)
+    assert (idle.prefill, idle.decode) == ("p0", "d0")  # the decodes running on d0 would stall
+    backed_up = workers(1, role="prefill", prefix="p", waiting=40) + ws[1:]
+    busy = kvaware(kv_protocol="nixl").choose(request(16000), backed_up)
+    assert (busy.prefill, busy.decode) == ("d0", "d0")
+    strict = kvaware(kv_protocol="nixl", pd_local_prefill=False).choose(request(16000), backed_up)
+    assert (strict.prefill, strict.decode) == ("p0", "d0")
+    no_stall_cost = kvaware(kv_protocol="nixl", decode_stall_weight=0).choose(request(16000), ws)
+    assert no_stall_cost.prefill == "d0"  # pure TTFT: the handoff is saved
+
+
+def test_pd_pool_prefill_workers_serve_whole_requests_only_when_allowed() -> None:
+    ws = workers(1, role="prefill", prefix="p") + workers(1, role="decode", prefix="d", running=8)
+    held = request(16000, gpu("p0", 990))  # the prefill worker holds the prompt; the decoder is busy
+    plan = kvaware(kv_protocol="nixl").choose(held, ws)
+    assert (plan.prefill, plan.decode) == ("p0", "d0")  # roles kept: the prompt is handed off
+    whole = kvaware(kv_protocol="nixl", pd_prefill_decodes=True).choose(held, ws)
+    assert (whole.prefill, whole.decode) == ("p0", "p0") and whole.breakdown["handoff_s"] == 0
+    with pytest.raises(ValueError):
+        kvaware(pd_prefill_decodes="yes")
 
 
 def test_conversation_reuse_needs_enough_reusable_tokens() -> None:

@@ -30,10 +30,15 @@ ENTRY = ConversationEntry(
 )
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "redis-cluster"])
 async def store(request: pytest.FixtureRequest) -> AsyncIterator[ConversationStore]:
     if request.param == "memory":
         yield MemoryConversationStore()
+        return
+    if request.param == "redis-cluster":  # conversations spread over three masters; count() scans them all
+        s = RedisConversationStore(request.getfixturevalue("cluster_url"), prefix="kvrtest", cluster=True)
+        yield s
+        await s.close()
         return
     redis_url = request.getfixturevalue("redis_url")
     s = RedisConversationStore(redis_url, prefix="kvrtest")

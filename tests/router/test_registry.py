@@ -1,4 +1,4 @@
-"""The worker registry: vLLM metrics parsed (ranks summed), health hysteresis."""
+"""The worker registry: vLLM metrics parsed (ranks summed), health hysteresis, LoRA adapters' base models."""
 
 from __future__ import annotations
 
@@ -6,6 +6,12 @@ from kvroute.config import WorkerConfig
 from kvroute.router.metrics import RouterMetrics
 from kvroute.router.registry import WorkerRegistry, parse_vllm_metrics
 from kvroute.router.transport import HttpxTransport
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from tests.http.upstream import serve
 
 
 def test_parse_vllm_metrics_sums_ranks_and_reads_block_size() -> None:
@@ -67,3 +73,31 @@ def test_health_hysteresis() -> None:
     registry.record(state.id, True)
     assert state.healthy is True
     assert changes == [("127.0.0.1:1", True), ("127.0.0.1:1", False), ("127.0.0.1:1", True)]
+
+
+async def test_base_of_adapters_configured_and_discovered() -> None:
+    """An adapter's base comes from the config, else from the ``parent`` of its /v1/models card (as vLLM
+    lists adapters); a base model, or a name nobody lists, has none."""
+
+    async def health(request: Request) -> Response:
+        return Response(status_code=200)
+
+    async def models(request: Request) -> Response:
+        data = [{"id": "base", "parent": None}, {"id": "adapter", "parent": "base"}, {"id": "odd", "parent": 7}]
+        return JSONResponse({"object": "list", "data": data})
+
+    app = Starlette(routes=[Route("/health", health), Route("/v1/models", models)])
+    transport = HttpxTransport(1, 1)
+    async with serve(app) as url:
+        registry = WorkerRegistry([WorkerConfig(url=url)], transport, RouterMetrics(), adapters={"pinned": "base"})
+        assert registry.base_of("adapter") is None  # not discovered yet
+        await registry.probe_all()
+        assert registry.knows_model("adapter")
+        assert registry.base_of("adapter") == "base"
+        assert registry.base_of("pinned") == "base"
+        assert registry.base_of("base") is None
+        assert registry.base_of("odd") is None
+        assert registry.base_of("nobody") is None
+        registry.adapters = {}  # a reload without the pinned adapter
+        assert registry.base_of("pinned") is None
+    await transport.aclose()

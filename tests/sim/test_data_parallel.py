@@ -176,11 +176,15 @@ async def test_reset_clears_every_rank(make_fleet: Any, client: Any) -> None:
     for rank in (0, 1):
         await post(client, w.url, {"prompt": words(40)}, rank=rank)
     assert (await client.post(f"{w.url}/reset_prefix_cache")).status_code == 200
+    assert all(not r.engine.cache.gpu for r in w.ranks)
+    for rank in (0, 1):  # each rank publishes its reset at its own next step
+        await post(client, w.url, {"prompt": words(40, "next-")}, rank=rank)
     for source in w.kv_event_sources():
         assert source["replay_endpoint"] is not None
         batches = await replay_all(source["replay_endpoint"])
-        assert isinstance(decode_batch(batches[-1][2]).events[-1], AllBlocksCleared)
-    assert all(not r.engine.cache.gpu for r in w.ranks)
+        events = [e for _, _, payload in batches for e in decode_batch(payload).events]
+        cleared = [i for i, e in enumerate(events) if isinstance(e, AllBlocksCleared)]
+        assert len(cleared) == 1 and isinstance(events[cleared[0] + 1], BlockStored)
 
 
 def test_fleet_base_port_layout_leaves_room_for_ranks() -> None:

@@ -219,3 +219,17 @@ def test_sliding_window_group_unit() -> None:
     del cache.swa.freed[hashes[2]]
     assert cache.hybrid_hit(hashes, 3) == 2 and cache.hybrid_hit(hashes, 6) == 6
     assert isinstance(window[0], BlockStored) and not isinstance(window[0], BlockRemoved)
+
+
+async def test_hybrid_reuse_report_covers_every_group_as_vllm_does(make_fleet: Any, client: Any) -> None:
+    fleet = await make_fleet(1, hybrid_sliding_window=32)
+    w = fleet[0]
+    prompt = words(100)
+    await complete(client, w.url, prompt)
+    xargs = {"kv_cache_report_mode": "full"}
+    assert cached(await complete(client, w.url, prompt + " more", vllm_xargs=xargs)) == 96
+    reports = [e for e in stored(await raw_events(w)) if e["parent_block_hash"] is None][-2:]
+    assert [e["group_idx"] for e in reports] == [0, 1]
+    # The window group's report names all 6 blocks of the hit, also the 4 out of its window.
+    assert reports[1]["block_hashes"] == reports[0]["block_hashes"] and len(reports[1]["block_hashes"]) == 6
+    assert reports[1]["kv_cache_spec_kind"] == "sliding_window"

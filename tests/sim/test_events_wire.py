@@ -64,8 +64,14 @@ async def test_bind_mode_map_form_every_field(make_fleet: Any, client: Any) -> N
     assert event["medium"] == "GPU" and event["lora_name"] is None
     batch = decode_batch(payload)
     assert isinstance(batch.events[0], BlockStored)
-    # Reset: AllBlocksCleared in the next batch, sequence 1.
+    # Reset of an idle engine: nothing is published until its next step (vLLM's scheduler publishes the
+    # block pool's queued events after a step); then AllBlocksCleared opens the next batch, sequence 1.
     assert (await client.post(f"{worker.url}/reset_prefix_cache")).status_code == 200
+    await asyncio.sleep(0)  # a batch would be flushed at the end of this loop iteration
+    publisher = worker.ranks[0].publisher
+    assert publisher is not None and publisher.seq == 1 and worker.engine.cache.clear_pending
+    r = await client.post(f"{worker.url}/v1/completions", json={"prompt": prompt, "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     _, seq, payload = await _recv(sub)
     assert struct.unpack(">Q", seq)[0] == 1
     assert isinstance(decode_batch(payload).events[0], AllBlocksCleared)

@@ -104,6 +104,22 @@ def test_reset_refused_while_in_use_then_clears() -> None:
     a, _ = run(cache, list(range(8)))
     assert not cache.reset()
     cache.release(a)
+    before = len(events)
     assert cache.reset()
-    assert isinstance(events[-1], AllBlocksCleared)
     assert cache.match(cache.block_hashes(list(range(8)))) == (0, 0)
+    assert len(events) == before  # vLLM publishes the reset at its next engine step, not at once
+    cache.step()
+    assert isinstance(events[-1], AllBlocksCleared) and len(events) == before + 1
+    cache.step()
+    assert len(events) == before + 1  # once
+
+
+def test_a_pending_reset_goes_out_before_the_next_steps_events() -> None:
+    cache, events = make(cpu=2)
+    a, _ = run(cache, list(range(8)))
+    cache.release(a)
+    assert cache.reset()
+    before = len(events)
+    run(cache, list(range(100, 108)))  # the next step stores blocks: the clear is published first
+    assert isinstance(events[before], AllBlocksCleared)
+    assert isinstance(events[before + 1], BlockStored)

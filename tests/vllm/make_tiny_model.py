@@ -21,20 +21,39 @@ import sys
 from pathlib import Path
 
 #: Bump when the generated model changes, so stale folders are rebuilt.
-MODEL_VERSION = "1"
+MODEL_VERSION = "2"
 STAMP = ".kvroute-tiny-model"
+#: Versions that differ from this one by the chat template only (rewritten in place, nothing retrained).
+TEMPLATE_ONLY_UPGRADES = frozenset({"1"})
 
 VOCAB_SIZE = 1024
 SPECIAL_TOKENS = ["<s>", "</s>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 
 #: Llama-style template: BOS once, then role-tagged turns; the engine tokenizes the rendered text
-#: without adding special tokens again (vLLM's default for chat completions).
+#: without adding special tokens again (vLLM's default for chat completions). Plain conversations render
+#: as the first version did; the rest gives every option the router must reproduce something to change:
+#: a ``persona`` template kwarg, ``tools``, ``documents``, assistant ``reasoning_content`` and
+#: ``tool_calls`` (arguments as JSON), ``enable_thinking`` (set by ``reasoning_effort``). It accepts a
+#: system message anywhere (vLLM keeps /v1/messages' inline system messages in place) and does not know
+#: the ``developer`` role (vLLM turns it into ``system``).
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if persona is defined %}<|system|>\npersona: {{ persona }}<|end|>\n{% endif %}"
+    "{% if tools %}<|system|>\ntools: {{ tools | tojson }}<|end|>\n{% endif %}"
+    "{% if documents %}<|system|>\ndocuments:"
+    "{% for d in documents %} [{{ d['title'] }}] {{ d['text'] }}{% endfor %}<|end|>\n{% endif %}"
     "{% for message in messages %}"
-    "<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n"
+    "<|{{ message['role'] }}|>\n"
+    "{% if message['reasoning_content'] %}<think>{{ message['reasoning_content'] }}</think>{% endif %}"
+    "{{ message['content'] }}"
+    "{% if message['tool_calls'] %}{% for call in message['tool_calls'] %}"
+    " call {{ call['function']['name'] }}({{ call['function']['arguments'] | tojson }})"
+    "{% endfor %}{% endif %}"
+    "<|end|>\n"
     "{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    "{% if add_generation_prompt %}<|assistant|>\n"
+    "{% if enable_thinking is defined %}<think mode={{ enable_thinking }}>{% endif %}"
+    "{% endif %}"
 )
 
 
@@ -152,14 +171,21 @@ def build_tokenizer(out: Path) -> int:
     )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out)
-    # Older transformers keep the template only in tokenizer_config.json, newer ones in a .jinja file:
-    # write both so any reader (vLLM, the router) finds it.
-    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    write_template(out)
+    return tok.get_vocab_size()
+
+
+def write_template(out: Path) -> None:
+    """Older transformers keep the template only in tokenizer_config.json, newer ones in a .jinja file:
+    write both so any reader (vLLM, the router) finds it. Each file is replaced whole (a reader never
+    sees half of one)."""
     config_path = out / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
     config["chat_template"] = CHAT_TEMPLATE
-    config_path.write_text(json.dumps(config, indent=2))
-    return tok.get_vocab_size()
+    for path, text in ((out / "chat_template.jinja", CHAT_TEMPLATE), (config_path, json.dumps(config, indent=2))):
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(path)
 
 
 def build_model(out: Path, vocab_size: int) -> None:
@@ -189,7 +215,13 @@ def build_model(out: Path, vocab_size: int) -> None:
 def ensure_model(out: Path) -> Path:
     """Build the model into ``out`` unless a finished one of this version is there."""
     stamp = out / STAMP
-    if stamp.exists() and stamp.read_text().strip() == MODEL_VERSION:
+    built = stamp.read_text().strip() if stamp.exists() else None
+    if built == MODEL_VERSION:
+        return out
+    if built in TEMPLATE_ONLY_UPGRADES:
+        # Same weights and vocabulary: servers already running on the folder are not disturbed.
+        write_template(out)
+        stamp.write_text(MODEL_VERSION)
         return out
     out.mkdir(parents=True, exist_ok=True)
     vocab = build_tokenizer(out)

@@ -25,6 +25,10 @@ ROOT = HERE.parents[1]
 VLLM_VENV = Path(os.environ.get("KVROUTE_VLLM_VENV", ROOT / ".vllm-venv"))
 MODEL_DIR = Path(os.environ.get("KVROUTE_TINY_MODEL", ROOT / "tests" / ".models" / "tiny-llama"))
 MODEL_NAME = "tiny"
+#: The tiny LoRA adapter (make_tiny_lora.py) and the name the LoRA server serves it under.
+LORA_DIR = Path(os.environ.get("KVROUTE_TINY_LORA", ROOT / "tests" / ".models" / "tiny-lora"))
+LORA_NAME = "tiny-lora"
+LORA_RANK = 8
 BLOCK_SIZE = 32
 NUM_BLOCKS = 64
 MAX_MODEL_LEN = 1024
@@ -67,6 +71,20 @@ def ensure_model(python: Path, out: Path = MODEL_DIR) -> Path:
     )
     if done.returncode != 0:
         raise VllmSetupError(f"building the tiny model failed:\n{done.stderr[-4000:]}")
+    return out
+
+
+def ensure_lora(python: Path, base: Path, out: Path = LORA_DIR) -> Path:
+    """Generate the tiny LoRA adapter for ``base`` with the vLLM venv's peft (reused when already built)."""
+    done = subprocess.run(
+        [str(python), str(HERE / "make_tiny_lora.py"), str(base), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    if done.returncode != 0:
+        raise VllmSetupError(f"building the tiny LoRA adapter failed:\n{done.stderr[-4000:]}")
     return out
 
 
@@ -137,6 +155,8 @@ class VllmServer:
             "--distributed-executor-backend",
             "uni",
             "--enable-prompt-tokens-details",
+            # The render routes (/v1/*/render): the engine's own token ids, for kvroute's render mode.
+            "--enable-scale-out",
             "--max-num-seqs",
             "8",
             "--kv-events-config",
@@ -262,6 +282,32 @@ def make_pool(python: Path, model_dir: Path, log_dir: Path | None = None) -> lis
         log_dir=log_dir,
     )
     return [a, b]
+
+
+def make_lora_server(python: Path, model_dir: Path, lora_dir: Path, log_dir: Path) -> VllmServer:
+    """A server that also serves the tiny adapter as ``LORA_NAME`` (bind-mode ipc events, like ``b``).
+
+    Its own process rather than a flag on the pool: the pool's tests mirror every event of ``a`` and
+    ``b`` without extra keys, and an adapter's blocks there would be counted as the base model's."""
+    ipc_dir = Path(tempfile.mkdtemp(prefix="kvr-ipc-"))
+    return VllmServer(
+        name="lora",
+        python=python,
+        model_dir=model_dir,
+        port=free_port(),
+        events=f"ipc://{ipc_dir}/lora-events",
+        replay=f"ipc://{ipc_dir}/lora-replay",
+        topic="kv-lora",
+        omp_bind="0",
+        log_dir=log_dir,
+        extra_args=[
+            "--enable-lora",
+            "--lora-modules",
+            f"{LORA_NAME}={lora_dir}",
+            "--max-lora-rank",
+            str(LORA_RANK),
+        ],
+    )
 
 
 def main() -> int:

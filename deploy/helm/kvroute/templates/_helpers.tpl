@@ -107,6 +107,9 @@ kvroute.yaml: .Values.config with the keys the chart owns (host, port, the share
 {{- with include "kvroute.redisURL" . -}}
 {{- $_ := set $index "redis_url" . -}}
 {{- end -}}
+{{- if .Values.redis.external.cluster -}}
+{{- $_ := set $index "redis_cluster" true -}}
+{{- end -}}
 {{- $_ := set $index "subscribe" (not .Values.indexer.enabled) -}}
 {{- end -}}
 {{- if $index -}}
@@ -148,6 +151,9 @@ kvroute.yaml: .Values.config with the keys the chart owns (host, port, the share
 {{- end -}}
 {{- if and .Values.epp.enabled (gt (int .Values.epp.replicas) 1) (not $shared) -}}
 {{- fail "epp.replicas > 1 needs the shared Redis index: set redis.enabled=true or redis.external.url" -}}
+{{- end -}}
+{{- if and .Values.redis.external.cluster (not (or .Values.redis.external.url .Values.redis.external.existingSecret)) -}}
+{{- fail "redis.external.cluster needs redis.external.url (or existingSecret): the chart's own Redis is a single node" -}}
 {{- end -}}
 {{- if and .Values.epp.enabled .Values.inferencePool.enabled (not .Values.inferencePool.selector) -}}
 {{- fail "inferencePool.selector (the matchLabels of the vLLM pods) is required in epp mode" -}}

@@ -1,0 +1,106 @@
+"""Read kvroute's per-request receipts (``receipts_path`` in the router config) and explain a run.
+
+    .venv/bin/python bench/receipts.py out/peers/runs-*/mooncake-pd-0/receipts-kvaware.jsonl
+
+For each run: the plans by kind (aggregated, P/D, local prefill on a decoder, with a kv source), how far the
+predicted TTFT was from the observed one (streamed requests), how often the predicted hit was wrong (over
+or under the engine's cached tokens), and the *regret* bound: requests whose observed TTFT exceeded the
+runner-up's prediction by more than the chosen plan's own error — the decisions worth reading first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+
+def load(paths: Iterable[Path]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for path in paths:
+        for line in path.read_bytes().splitlines():
+            if line.strip():
+                out.append(orjson.loads(line))
+    return out
+
+
+def kind_of(receipt: dict[str, Any]) -> str:
+    kind = str(receipt.get("kind") or "")
+    if "prefills locally" in kind:
+        return "decoder prefills locally"
+    head = kind.split(";")[0]
+    return head.split(" + ")[0] + (" + source" if " + " in head else "") if head else "other"
+
+
+def _pct(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+def summarize(receipts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Figures of one run's receipts (see the module docstring)."""
+    kinds = Counter(kind_of(r) for r in receipts)
+    errors: list[float] = []
+    hits = Counter[str]()
+    regret = 0
+    for r in receipts:
+        pred, obs = r["predicted"], r["observed"]
+        cached = obs.get("cached_tokens")
+        if isinstance(cached, int):
+            p = pred.get("cached_tokens") or 0
+            hits["exact" if p == cached else "over" if p > cached else "under"] += 1
+        ttft, predicted = obs.get("ttft_s"), pred.get("ttft_s")
+        if ttft is None or predicted is None:
+            continue
+        errors.append(ttft - predicted)
+        runner = r.get("runner_up") or {}
+        alt = runner.get("ttft_s")
+        if alt is not None and ttft > alt + abs(ttft - predicted) / 2 and ttft - alt > 0.05:
+            regret += 1
+    n = len(receipts)
+    return {
+        "requests": n,
+        "kinds": dict(kinds.most_common()),
+        "hit_prediction": dict(hits),
+        "ttft_error_ms": {
+            "median": statistics.median(errors) * 1000 if errors else None,
+            "p10": _pct(errors, 0.1) * 1000 if errors else None,
+            "p90": _pct(errors, 0.9) * 1000 if errors else None,
+        },
+        "regret_candidates": regret,
+    }
+
+
+def render(name: str, s: dict[str, Any]) -> str:
+    err = s["ttft_error_ms"]
+    lines = [f"{name}: {s['requests']} requests"]
+    lines.append("  plans: " + ", ".join(f"{k} {v}" for k, v in s["kinds"].items()))
+    lines.append("  predicted hit vs engine: " + ", ".join(f"{k} {v}" for k, v in s["hit_prediction"].items()))
+    if err["median"] is not None:
+        spread = f"p10 {err['p10']:+.1f}, p90 {err['p90']:+.1f}"
+        lines.append(f"  TTFT observed - predicted: median {err['median']:+.1f} ms ({spread})")
+    lines.append(f"  decisions the runner-up would likely have beaten: {s['regret_candidates']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("paths", nargs="+", type=Path, help="receipts JSON-lines files")
+    args = parser.parse_args(argv)
+    missing = [p for p in args.paths if not p.exists()]
+    if missing:
+        print(f"no such file: {', '.join(map(str, missing))}", file=sys.stderr)
+        return 2
+    for path in args.paths:
+        print(render(str(path), summarize(load([path]))))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

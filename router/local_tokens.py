@@ -1,0 +1,329 @@
+"""A model folder's tokenizer giving exactly the tokens the engine will see, with a prefix cache.
+
+A token mismatch silently destroys every cache hit, so the local path reproduces vLLM's own steps:
+chat requests render the model's chat template (jinja2, sandboxed, HF's globals) and encode the text
+without adding special tokens; completion prompts are encoded with them (the post-processor's BOS).
+
+Growing prompts are not re-tokenized from scratch. Each result is cached (an LRU bounded in bytes:
+text + ids + offsets) with its tokens' character offsets; a new text finds the cached one sharing the
+longest prefix with it (:class:`~kvroute.indexer.keys.PrefixIndex`: a few xxh3 calls, then compared)
+and reuses the cached tokens up to a cut inside the shared part, encoding only the rest. A cut is used
+only where the split provably or checkably leaves the ids unchanged:
+
+* at a *special token* the cached text holds inside the shared part: added special tokens are split
+  off before any normalisation or pre-tokenization, so the tokens before it are a full encode's;
+* elsewhere (completions without special tokens) at a token start at least ``GUARD_CHARS`` before the
+  end of the shared part, preferably a space after a non-space (a piece boundary for every
+  pre-tokenizer in use, whatever follows), and only if re-encoding from an earlier token start (an
+  overlap of at least ``OVERLAP_TOKENS`` tokens and ``OVERLAP_CHARS`` characters) gives exactly the
+  cached ids and offsets over the overlap and a token starting at the cut; otherwise the last special
+  token before it, else a full encode.
+
+Chat requests render the whole template every time (a template may treat any message by its position
+or by the others: there is no sound per-message rendering without analysing it), then take the token
+reuse above: the rendering of a conversation is the previous rendering plus more, up to the generation
+prompt, and the generation prompt's ``<|im_start|>``-style special is where the cut falls. Edits in the
+middle reuse at most the tokens before the edit; truncations re-encode from a cut before the end.
+
+Results are :class:`~kvroute.indexer.keys.TokenIds` carrying their packed bytes, so the key step does
+not repack them.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import sys
+from array import array
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from kvroute.indexer.keys import PrefixIndex, TokenIds, pack_tokens
+from kvroute.router.chat_prompt import ChatPrompt, TokenizeError, Unrenderable, prompt_of_fields
+from kvroute.router.chat_template import ChatTemplate, load_chat_templates
+
+
+def _token_text(value: Any) -> str:
+    if isinstance(value, dict):
+        return str(value.get("content", ""))
+    return "" if value is None else str(value)
+
+
+#: Default bound of a tokenizer's prefix cache (text + ids + offsets of every entry).
+DEFAULT_CACHE_BYTES = 64 << 20
+
+
+class _Entry:
+    """One cached text's tokens: ids, their character starts and their packed bytes."""
+
+    __slots__ = ("ids", "packed", "starts")
+
+    def __init__(self, ids: list[int], starts: array[int], packed: bytes) -> None:
+        self.ids = ids
+        self.starts = starts
+        self.packed = packed
+
+    def nbytes(self, text: str) -> int:
+        """Memory held, counted high: every id as its own int object (spliced lists share them)."""
+        n = len(self.ids)
+        return sys.getsizeof(text) + (56 + 40 * n) + (64 + 4 * n) + (33 + len(self.packed)) + 80
+
+
+def counters() -> dict[str, int]:
+    return {"hits": 0, "prefix_hits": 0, "misses": 0, "fallbacks": 0, "tokens_reused": 0, "tokens_encoded": 0}
+
+
+def _model_type(folder: Path) -> str | None:
+    """``config.json``'s ``model_type`` when the folder holds one (the model decides how chat renders)."""
+    try:
+        value = json.loads((folder / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) else None
+
+
+class LocalTokenizer:
+    """``tokenizers`` + chat template from a model folder (or a tokenizer.json path), with a prefix cache
+    of at most ``cache_bytes`` (0: every text is encoded from scratch)."""
+
+    #: A cut is at least this many characters before the end of the shared part (the pre-tokenizer's
+    #: lookahead and greedy pieces near the end may change once the text goes on differently).
+    GUARD_CHARS = 16
+    #: Re-encoded before a cut and required to agree with the cached ids and offsets.
+    OVERLAP_TOKENS = 8
+    OVERLAP_CHARS = 32
+
+    def __init__(
+        self, path: str | Path, chat_template: str | Path | None = None, cache_bytes: int = DEFAULT_CACHE_BYTES
+    ) -> None:
+        from tokenizers import Tokenizer
+
+        path = Path(path)
+        folder = path if path.is_dir() else path.parent
+        file = folder / "tokenizer.json" if path.is_dir() else path
+        try:
+            self.tokenizer = Tokenizer.from_file(str(file))
+        except Exception as exc:
+            raise TokenizeError(f"cannot load tokenizer {file}: {exc}") from None
+        # vLLM encodes whole prompts: a truncation or padding saved in tokenizer.json is not applied.
+        self.tokenizer.no_truncation()
+        self.tokenizer.no_padding()
+        config: dict[str, Any] = {}
+        config_file = folder / "tokenizer_config.json"
+        if config_file.is_file():
+            try:
+                config = json.loads(config_file.read_text())
+            except (OSError, ValueError) as exc:
+                raise TokenizeError(f"cannot read {config_file}: {exc}") from None
+        special = {name: _token_text(config.get(name)) for name in ("bos_token", "eos_token", "unk_token", "pad_token")}
+        special.update({n: _token_text(config[n]) for n in ("sep_token", "cls_token", "mask_token") if config.get(n)})
+        source, tool_use = load_chat_templates(folder, chat_template, config)
+        self.template = ChatTemplate(source, special, tool_use) if source else None
+        #: gpt-oss models render chat as Harmony messages, not through the template.
+        self.harmony = _model_type(folder) == "gpt_oss"
+        added = self.tokenizer.get_added_tokens_decoder()
+        specials = [t.content for t in added.values() if t.special and t.content]
+        self._special_ids = frozenset(i for i, t in added.items() if t.special and t.content)
+        in_template = [s for s in specials if self.template and s in self.template.source]
+        #: Boundaries used for prefix reuse: special tokens the template emits (else a few of them).
+        self.boundaries = in_template or specials[:32]
+        self._cache: PrefixIndex[str, _Entry] = PrefixIndex(cache_bytes, unit=1, first=64, step=16384)
+        self._pre, self._post = self._special_wrap()
+        self._pre_packed = pack_tokens(self._pre or [])
+        self._post_packed = pack_tokens(self._post or [])
+        self.counters = counters()
+
+    @property
+    def cache_bytes(self) -> int:
+        return self._cache.max_bytes
+
+    def stats(self) -> dict[str, int]:
+        """Counters of the prefix cache (hits, prefix hits, misses, failed overlap checks, tokens reused
+        and encoded) and its size, for export."""
+        return {**self.counters, "entries": len(self._cache), "bytes": self._cache.bytes, "max_bytes": self.cache_bytes}
+
+    def _special_wrap(self) -> tuple[list[int] | None, list[int] | None]:
+        """The ids the post-processor adds around a prompt, when it adds the same ones around any text."""
+        wraps: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
+        for sample in ("a", "hello world"):
+            full = self.tokenizer.encode(sample, add_special_tokens=True).ids
+            raw = self.tokenizer.encode(sample, add_special_tokens=False).ids
+            for i in range(len(full) - len(raw) + 1):
+                if full[i : i + len(raw)] == raw:
+                    wraps.add((tuple(full[:i]), tuple(full[i + len(raw) :])))
+                    break
+            else:
+                return None, None
+        if len(wraps) != 1:
+            return None, None
+        pre, post = wraps.pop()
+        return list(pre), list(post)
+
+    def encode_raw(self, text: str) -> list[int]:
+        """Tokens of ``text`` without added special tokens, reusing a cached prefix when possible."""
+        entry = self._entry(text)
+        return TokenIds(entry.ids, entry.packed)
+
+    def _entry(self, text: str) -> _Entry:
+        cache = self._cache
+        if cache.max_bytes <= 0:
+            return self._full(text)
+        probe = cache.probe(text)
+        entry = cache.get(text, probe)
+        if entry is not None:
+            self.counters["hits"] += 1
+            self.counters["tokens_reused"] += len(entry.ids)
+            return entry
+        found = cache.longest(text, probe)
+        entry = self._extend(text, *found[:3]) if found is not None else None
+        if entry is None:
+            entry = self._full(text)
+        elif found is not None and found[2] == len(found[0]):
+            cache.drop(found[3])  # superseded: the new text extends it
+        cache.put(text, entry, entry.nbytes(text), probe)
+        return entry
+
+    def _encode(self, text: str) -> tuple[list[int], list[int]]:
+        enc = self.tokenizer.encode(text, add_special_tokens=False)
+        self.counters["tokens_encoded"] += len(enc.ids)
+        return enc.ids, [o[0] for o in enc.offsets]
+
+    def _full(self, text: str) -> _Entry:
+        self.counters["misses"] += 1
+        ids, starts = self._encode(text)
+        return _Entry(ids, array("I", starts), pack_tokens(ids))
+
+    def _special_cut(self, base_text: str, base: _Entry, shared: int, start: int = 0) -> int | None:
+        """Index of the last special token the cached text holds wholly inside ``[start, shared)``."""
+        cut = max((base_text.rfind(s, start, shared) for s in self.boundaries), default=-1)
+        if cut <= 0:
+            return None
+        i = bisect.bisect_left(base.starts, cut)
+        if i < len(base.starts) and base.starts[i] == cut and base.ids[i] in self._special_ids:
+            return i
+        return None
+
+    def _overlap_cut(self, base_text: str, base: _Entry, shared: int) -> tuple[int, int] | None:
+        """``(j, i)``: the cut at token ``i``, starting at least GUARD_CHARS before the end of the shared
+        part, and the overlap to re-encode from token ``j``; None when that would be the text's start.
+
+        The cut prefers a token starting with a space after a non-space: no pre-tokenizer in use (GPT-2,
+        Llama 3, Qwen, o200k regexes; Metaspace; whitespace splitting) puts a non-space and the space
+        after it into one piece, so the pieces before such a cut are closed whatever follows."""
+        starts = base.starts
+        last = bisect.bisect_right(starts, shared - self.GUARD_CHARS) - 1
+        if last <= 0:
+            return None
+        i = last
+        for k in range(last, max(0, last - 64), -1):
+            c = starts[k]
+            if base_text[c] == " " and not base_text[c - 1].isspace() and starts[k - 1] < c:
+                i = k
+                break
+        else:
+            i = bisect.bisect_left(starts, starts[last])  # the first of the tokens of one character
+        j = min(i - self.OVERLAP_TOKENS, bisect.bisect_right(starts, starts[i] - self.OVERLAP_CHARS) - 1)
+        if j <= 0:
+            return None
+        return bisect.bisect_left(starts, starts[j]), i
+
+    def _extend(self, text: str, base_text: str, base: _Entry, shared: int) -> _Entry | None:
+        """The tokens of ``text`` from a cached entry whose first ``shared`` characters it shares."""
+        starts = base.starts
+        overlap = self._overlap_cut(base_text, base, shared)
+        # A special token after the overlap's start is the better cut (nothing to check); before it, it
+        # is only the fallback when the overlap check fails.
+        special = self._special_cut(base_text, base, shared, starts[overlap[0]] if overlap else 0)
+        if overlap is not None and special is None:
+            j, i = overlap
+            c0 = starts[j]
+            ids, tail_starts = self._encode(text[c0:])
+            n = i - j
+            if (
+                len(ids) > n
+                and tail_starts[n] == starts[i] - c0
+                and ids[:n] == base.ids[j:i]
+                and all(tail_starts[k] == starts[j + k] - c0 for k in range(n))
+            ):
+                return self._splice(base, i, ids[n:], tail_starts[n:], c0)
+            self.counters["fallbacks"] += 1
+            special = self._special_cut(base_text, base, shared)
+        if special is None:
+            return None
+        cut = starts[special]
+        ids, tail_starts = self._encode(text[cut:])
+        return self._splice(base, special, ids, tail_starts, cut)
+
+    def _splice(self, base: _Entry, keep: int, ids: list[int], starts: list[int], offset: int) -> _Entry:
+        self.counters["prefix_hits"] += 1
+        self.counters["tokens_reused"] += keep
+        out = base.ids[:keep]
+        out += ids
+        out_starts = base.starts[:keep]
+        out_starts.extend(s + offset for s in starts)
+        return _Entry(out, out_starts, base.packed[: 4 * keep] + pack_tokens(ids))
+
+    def encode_prompt(self, prompt: str) -> list[int]:
+        """A completion prompt as vLLM encodes it (with the post-processor's special tokens)."""
+        if not isinstance(prompt, str):
+            raise TokenizeError("prompt must be a string")
+        if self._pre is None or self._post is None:
+            return self.tokenizer.encode(prompt, add_special_tokens=True).ids
+        entry = self._entry(prompt)
+        if not self._pre and not self._post:
+            return TokenIds(entry.ids, entry.packed)
+        out = TokenIds(self._pre, self._pre_packed + entry.packed + self._post_packed)
+        out += entry.ids
+        out += self._post
+        return out
+
+    @property
+    def merges_inline_system(self) -> bool | None:
+        return self.template.merges_inline_system if self.template is not None else None
+
+    def encode_chat_prompt(self, prompt: ChatPrompt) -> list[int]:
+        """A chat request's tokens: rendered as vLLM renders it, encoded without special tokens (unless
+        the request asks for them, ``add_special_tokens``)."""
+        if self.template is None:
+            raise TokenizeError("this model folder has no chat template")
+        if self.harmony:
+            raise Unrenderable("harmony", "gpt-oss models render chat as Harmony messages")
+        text = self.template.render_prompt(prompt)
+        if not prompt.add_special_tokens:
+            return self.encode_raw(text)
+        if self._pre is None or self._post is None:
+            return self.tokenizer.encode(text, add_special_tokens=True).ids
+        return [*self._pre, *self.encode_raw(text), *self._post]
+
+    def encode_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        """A chat request with these fields (``tools`` as a client sends them)."""
+        return self.encode_chat_prompt(prompt_of_fields(messages, add_generation_prompt, tools, chat_template_kwargs))
+
+    async def prompt_tokens(self, prompt: str) -> list[int]:
+        return self.encode_prompt(prompt)
+
+    async def chat_prompt_tokens(self, prompt: ChatPrompt) -> list[int]:
+        return self.encode_chat_prompt(prompt)
+
+    async def chat_tokens(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        return self.encode_chat(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            chat_template_kwargs=chat_template_kwargs,
+        )

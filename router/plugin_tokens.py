@@ -1,0 +1,112 @@
+"""Tokenizer objects named by import path, for engines whose tokenizer is not a ``tokenizer.json``."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from kvroute.indexer.keys import PrefixIndex, TokenIds, pack_tokens
+from kvroute.router.chat_prompt import ChatPrompt, TokenizeError, conversation
+from kvroute.router.local_tokens import DEFAULT_CACHE_BYTES, counters
+
+
+class PluginTokenizer:
+    """A tokenizer object named by import path (``python:package.module:Factory``) for engines whose
+    tokenizer is not a ``tokenizer.json`` (a custom engine, the simulated workers). The factory builds an
+    object with ``encode(text)`` and ``encode_chat(messages, add_generation_prompt=True)``.
+
+    When the object also says how a text's ids follow from a prefix's (``extend(prefix, prefix_count,
+    text) -> (keep, tail_ids) | None``: the first ``keep`` ids of the prefix's, then ``tail_ids``), its
+    results are cached by text prefix (bounded in bytes); with ``render_chat(messages,
+    add_generation_prompt)`` too, chat requests are rendered and take the same cache (``encode_chat`` must
+    then be ``encode(render_chat(...))``). A text that does not extend a cached one whole (an edit in the
+    middle, a truncation) is encoded from scratch."""
+
+    PREFIX = "python:"
+
+    def __init__(self, spec: str, cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
+        import importlib
+
+        target = spec[len(self.PREFIX) :]
+        module_name, _, attr = target.partition(":")
+        try:
+            factory = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError, ValueError) as exc:
+            raise TokenizeError(f"cannot load tokenizer {spec!r}: {exc}") from None
+        self.impl = factory()
+        self._extend = getattr(self.impl, "extend", None)
+        self._render = getattr(self.impl, "render_chat", None) if self._extend is not None else None
+        self._cache: PrefixIndex[str, tuple[list[int], bytes]] = PrefixIndex(
+            cache_bytes if self._extend is not None else 0, unit=1, first=64, step=16384
+        )
+        self.counters = counters()
+
+    def stats(self) -> dict[str, int]:
+        """The prefix cache's counters and size (all zero for an object without ``extend``)."""
+        cache = self._cache
+        return {**self.counters, "entries": len(cache), "bytes": cache.bytes, "max_bytes": cache.max_bytes}
+
+    def encode(self, text: str) -> list[int]:
+        """Ids of ``text``, from the longest cached text it extends when the object can say how."""
+        cache = self._cache
+        if cache.max_bytes <= 0 or self._extend is None:
+            return list(self.impl.encode(text))
+        probe = cache.probe(text)
+        hit = cache.get(text, probe)
+        if hit is not None:
+            self.counters["hits"] += 1
+            self.counters["tokens_reused"] += len(hit[0])
+            return TokenIds(hit[0], hit[1])
+        found = cache.longest(text, probe)
+        grown = None
+        if found is not None and found[2] == len(found[0]):
+            base_text, (base_ids, base_packed), _, ident = found
+            grown = self._extend(base_text, len(base_ids), text)
+        if grown is not None:
+            keep, tail = grown
+            ids = base_ids[:keep]
+            ids += tail
+            packed = base_packed[: 4 * keep] + pack_tokens(tail)
+            self.counters["prefix_hits"] += 1
+            self.counters["tokens_reused"] += keep
+            self.counters["tokens_encoded"] += len(tail)
+            cache.drop(ident)  # superseded: the new text extends it
+        else:
+            ids = list(self.impl.encode(text))
+            packed = pack_tokens(ids)
+            self.counters["misses"] += 1
+            self.counters["tokens_encoded"] += len(ids)
+        cache.put(text, (ids, packed), sys.getsizeof(text) + 56 + 40 * len(ids) + 33 + len(packed), probe)
+        return TokenIds(ids, packed)
+
+    async def prompt_tokens(self, prompt: str) -> list[int]:
+        if not isinstance(prompt, str):
+            raise TokenizeError("prompt must be a string")
+        return self.encode(prompt)
+
+    @property
+    def merges_inline_system(self) -> bool | None:
+        """The object says (``merges_inline_system``); else its engine keeps them in place."""
+        return bool(getattr(self.impl, "merges_inline_system", False))
+
+    async def chat_prompt_tokens(self, prompt: ChatPrompt) -> list[int]:
+        """The object sees the conversation vLLM would build (text parts of any kind as one string, no
+        ``None`` content) and ``add_generation_prompt``: what such engines render."""
+        messages = conversation(prompt.messages, "string")
+        return await self.chat_tokens(messages, add_generation_prompt=prompt.add_generation_prompt)
+
+    async def chat_tokens(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        try:
+            if self._render is not None:
+                return self.encode(self._render(messages, add_generation_prompt))
+            return list(self.impl.encode_chat(messages, add_generation_prompt=add_generation_prompt))
+        except (ValueError, TypeError) as exc:
+            raise TokenizeError(f"chat template: {exc}") from None

@@ -1,0 +1,109 @@
+"""Per-request receipts: what the policy chose and predicted, what the engine then did, and the runner-up.
+
+A routing loss is only explainable request by request: was the prediction wrong (the hit was not there, the
+queue was longer), or was it right and the runner-up would have been better anyway? A receipt holds the
+chosen plan (workers, kind, predicted TTFT by term, predicted hit by tier), the best alternative the policy
+weighed (its predicted TTFT), and what was observed (time to first byte, cached tokens reported by the
+engine, status). The last ``capacity`` receipts are kept in memory for ``GET /admin/receipts``; with a path
+configured, every receipt is also appended to a JSON-lines file (for benchmarks and offline analysis).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from pathlib import Path
+from typing import IO, Any
+
+import orjson
+from kvroute.policies.base import RoutePlan
+
+log = logging.getLogger("kvroute.receipts")
+
+#: Terms of a plan's breakdown worth keeping (seconds), in the order the cost model adds them.
+_TERMS = ("queue_s", "lookup_s", "transfer_s", "promotion_s", "prefill_s", "handoff_s", "decode_queue_s")
+
+
+def receipt_of(
+    request_id: str,
+    model: str,
+    plan: RoutePlan,
+    *,
+    prompt_tokens: int | None,
+    cached_tokens: int | None,
+    ttfb_s: float | None,
+    stream: bool,
+    status: int,
+    ok: bool,
+) -> dict[str, Any]:
+    """One receipt as plain JSON-able data."""
+    breakdown = plan.breakdown or {}
+    runner = plan.candidates[1] if len(plan.candidates) > 1 else None
+    chosen_note = plan.candidates[0].note if plan.candidates else ""
+    return {
+        "at": time.time(),
+        "request_id": request_id,
+        "model": model,
+        "policy": plan.policy,
+        "prefill": plan.prefill,
+        "decode": plan.decode,
+        "kv_source": plan.kv_source,
+        "kind": chosen_note,
+        "predicted": {
+            "ttft_s": plan.predicted_ttft_s,
+            "cached_tokens": plan.predicted_cached_tokens,
+            "by_tier": dict(plan.predicted_by_tier or {}),
+            "terms": {t: breakdown[t] for t in _TERMS if t in breakdown},
+        },
+        "runner_up": None
+        if runner is None
+        else {
+            "prefill": runner.prefill,
+            "decode": runner.decode,
+            "kind": runner.note,
+            "ttft_s": runner.breakdown.get("total_s"),
+            "cached_tokens": runner.predicted_cached_tokens,
+        },
+        "observed": {
+            "prompt_tokens": prompt_tokens,
+            "cached_tokens": cached_tokens,
+            # A stream's first chunk is its time to first token; a whole JSON answer includes decoding.
+            "ttft_s": ttfb_s if stream else None,
+            "status": status,
+            "ok": ok,
+        },
+    }
+
+
+class Receipts:
+    """The last ``capacity`` receipts, and optionally every one appended to ``path`` (JSON lines)."""
+
+    def __init__(self, capacity: int = 1000, path: str | Path | None = None, flush_every: int = 64) -> None:
+        self._recent: deque[dict[str, Any]] = deque(maxlen=max(1, capacity))
+        self._file: IO[bytes] | None = open(path, "ab") if path else None  # noqa: SIM115 (closed in close())
+        self._flush_every = max(1, flush_every)
+        self._unflushed = 0
+
+    def add(self, receipt: dict[str, Any]) -> None:
+        self._recent.append(receipt)
+        if self._file is None:
+            return
+        try:
+            self._file.write(orjson.dumps(receipt) + b"\n")
+            self._unflushed += 1
+            if self._unflushed >= self._flush_every:
+                self._file.flush()
+                self._unflushed = 0
+        except OSError as exc:  # a full disk costs receipts, never requests
+            log.warning("receipts file not written (%s); keeping them in memory only", exc)
+            self._file = None
+
+    def recent(self, limit: int) -> list[dict[str, Any]]:
+        items = list(self._recent)
+        return items[-limit:] if limit else []
+
+    async def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None

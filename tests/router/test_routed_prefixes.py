@@ -1,0 +1,76 @@
+"""RoutedPrefixes: a prefix just routed counts as held there until it expires or is forgotten."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from kvroute.router.routed_prefixes import RoutedPrefixes
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def chain(n: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.getrandbits(64) for _ in range(n)]
+
+
+def test_a_routed_prefix_is_held_by_its_worker_only() -> None:
+    routed = RoutedPrefixes(ttl_s=5, stride=4, now=Clock())
+    keys = chain(40)
+    routed.note("r1", "m", "w0", keys)
+    assert routed.held("m", keys) == {"w0": 40}
+    assert routed.held("other-model", keys) == {}
+    # A longer prompt sharing the prefix: the routed part, to a checkpoint (every 4th block, and the last).
+    assert routed.held("m", keys + chain(10, seed=1)) == {"w0": 40}
+    assert routed.held("m", keys[:30] + chain(10, seed=2)) == {"w0": 28}
+    assert routed.held("m", chain(40, seed=3)) == {}
+
+
+def test_notes_expire_and_failed_requests_are_forgotten() -> None:
+    clock = Clock()
+    routed = RoutedPrefixes(ttl_s=5, stride=8, now=clock)
+    a, b = chain(16, 1), chain(16, 2)
+    routed.note("ra", "m", "w0", a)
+    clock.t += 3
+    routed.note("rb", "m", "w1", b)
+    routed.forget("rb")
+    assert routed.held("m", b) == {}
+    assert routed.held("m", a) == {"w0": 16}
+    clock.t += 2.5
+    assert routed.held("m", a) == {}
+    assert len(routed) == 0
+
+
+def test_two_notes_of_one_prefix_keep_it_until_both_are_gone() -> None:
+    routed = RoutedPrefixes(ttl_s=5, stride=2, now=Clock())
+    keys = chain(10)
+    routed.note("r1", "m", "w0", keys)
+    routed.note("r2", "m", "w0", keys[:6])
+    routed.note("r3", "m", "w1", keys[:4])
+    assert routed.held("m", keys) == {"w0": 10, "w1": 4}
+    routed.forget("r1")
+    assert routed.held("m", keys) == {"w0": 6, "w1": 4}
+
+
+def test_memory_is_bounded_by_max_notes() -> None:
+    routed = RoutedPrefixes(ttl_s=60, stride=16, max_notes=10, now=Clock())
+    for i in range(100):
+        routed.note(f"r{i}", "m", f"w{i % 3}", chain(64, seed=i))
+    assert len(routed) == 10
+    assert routed.held("m", chain(64, seed=0)) == {}  # the oldest went first
+    assert routed.held("m", chain(64, seed=99)) == {"w0": 64}
+
+
+def test_zero_ttl_disables_and_bad_settings_are_refused() -> None:
+    routed = RoutedPrefixes(ttl_s=0)
+    routed.note("r", "m", "w0", chain(8))
+    assert routed.held("m", chain(8)) == {}
+    with pytest.raises(ValueError):
+        RoutedPrefixes(stride=0)
