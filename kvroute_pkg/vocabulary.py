@@ -4,6 +4,7 @@
 * :data:`KVProtocol` — how KV cache moves between workers (none, vLLM's P2P offloading tier, NixlConnector P/D).
 * :class:`Tier` — where a cached block sits: medium (GPU / CPU / STORAGE) and locality (LOCAL / REMOTE) as
   bits. One worker can hold the same block in several places at once, so a block's location is a bit set.
+* :data:`SOURCE_OF_TIER` — the same places as vLLM's per-source cached-token metric names them.
 
 Config, indexer, policies, router and sim all import from here; this module imports nothing of kvroute.
 """
@@ -25,6 +26,9 @@ class Tier(IntFlag):
     CPU_REMOTE = 16
     STORAGE_REMOTE = 32
 
+
+#: vLLM's ``prompt_tokens_cached_by_source`` label for each tier a plan predicts hits in.
+SOURCE_OF_TIER = {"GPU": "device", "CPU": "host", "STORAGE": "disk", "REMOTE": "p2p"}
 
 _MEDIUM_BITS = {"GPU": Tier.GPU, "CPU": Tier.CPU, "STORAGE": Tier.STORAGE, "DISK": Tier.STORAGE}
 LOCAL_MASK = Tier.GPU | Tier.CPU | Tier.STORAGE

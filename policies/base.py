@@ -38,6 +38,9 @@ class WorkerView:
     #: P2P control endpoint (vLLM >= 0.27 TieringOffloadingSpec): host and port peers are told to call.
     p2p_host: str | None = None
     p2p_port: int | None = None
+    #: vLLM >= 0.32's scraped ``prompt_tokens_cached_by_source`` (cumulative tokens per source: device, host,
+    #: disk, p2p): the engines' ground truth per tier, which calibration compares with the plans' predictions.
+    served_by_source: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def can_prefill(self) -> bool:
@@ -100,6 +103,8 @@ class RoutePlan:
     #: Per-request tier policy (vLLM offloading connector): None = do not send the key.
     kv_load_tiers: list[dict[str, str]] | None = None
     max_offload_tokens: int | None = None
+    #: Cap on the tokens the engine may load from secondary tiers (vLLM's ``max_load_tokens``); None = no cap.
+    max_load_tokens: int | None = None
     predicted_cached_tokens: int = 0
     predicted_ttft_s: float | None = None
     #: Predicted cached tokens per source tier ("GPU", "CPU", "STORAGE", "REMOTE").
@@ -123,6 +128,7 @@ class RoutePlan:
             "kv_source": self.kv_source,
             "kv_load_tiers": self.kv_load_tiers,
             "max_offload_tokens": self.max_offload_tokens,
+            "max_load_tokens": self.max_load_tokens,
             "predicted_cached_tokens": self.predicted_cached_tokens,
             "predicted_ttft_s": self.predicted_ttft_s,
             "predicted_by_tier": self.predicted_by_tier,

@@ -15,7 +15,11 @@ the GPU, batch mix and context length, and the index's view of caches lags the e
 * a per-worker **service time**: the recent time one request keeps a worker busy before the next queued
   one starts, used for the queue-wait term (``load x service time``);
 * a **hit ratio**: reported cached tokens ÷ predicted cached tokens, which scales the probability that a
-  predicted hit is still there; the same numbers give the stale-decision counter and rate.
+  predicted hit is still there; the same numbers give the stale-decision counter and rate;
+* a per-tier **source factor**: the engines' per-source ground truth (vLLM's
+  ``prompt_tokens_cached_by_source``, scraped) against the plans' predicted tokens per tier, relative to all
+  tiers together — the hit ratio sets the level, this says which tier the misses come from (a CPU tier
+  that evicts faster than the index learns, a peer that drops blocks) so those hits weigh less.
 
 Everything is pure bookkeeping; the only clock is the injectable ``now`` used for the stale-rate window.
 """
@@ -31,8 +35,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvroute.policies.base import RouteOutcome
+from kvroute.vocabulary import SOURCE_OF_TIER
 
 _NON_PREFILL_TERMS = ("lookup_s", "transfer_s", "promotion_s", "handoff_s", "decode_queue_s")
+#: Predicted tokens of a tier (since the last update) below which its source factor is not updated.
+_MIN_SOURCE_TOKENS = 512
 
 
 @dataclass(slots=True)
@@ -83,6 +90,11 @@ class Calibrator:
         self._hit_ratio = 1.0
         self._recent: deque[tuple[float, bool]] = deque()
         self.feedback = Feedback()
+        #: Per tier: served ÷ predicted relative to all tiers (1.0 until per-source ground truth says otherwise).
+        self._source_factor: dict[str, float] = {}
+        #: Totals at the last source update: served per source, predicted per tier.
+        self._served_seen: dict[str, float] | None = None
+        self._predicted_seen: dict[str, int] = {}
 
     @classmethod
     def from_options(cls, options: Mapping[str, object]) -> Calibrator:
@@ -129,6 +141,34 @@ class Calibrator:
     def hit_ratio(self) -> float:
         """Share of predicted cached tokens the engines really had (1.0 = the index is never stale)."""
         return self._hit_ratio
+
+    def source_factor(self, tier: str) -> float:
+        """Multiplier on a ``tier`` hit's probability from per-source ground truth (1.0: no evidence)."""
+        return self._source_factor.get(tier, 1.0)
+
+    def observe_sources(self, served: Mapping[str, float]) -> None:
+        """Fold the fleet's scraped per-source served tokens (cumulative, summed over workers) into the
+        per-tier source factors: deltas since the last call, against the plans' predictions meanwhile."""
+        predicted = self.feedback.predicted_by_tier
+        if self._served_seen is None or any(served.get(k, 0.0) < v for k, v in self._served_seen.items()):
+            self._served_seen, self._predicted_seen = dict(served), dict(predicted)  # first view, or a restart
+            return
+        d_pred = {t: n - self._predicted_seen.get(t, 0) for t, n in predicted.items()}
+        total_pred = sum(d_pred.values())
+        if total_pred < _MIN_SOURCE_TOKENS:
+            return  # too little new evidence: keep accumulating
+        d_served = {src: v - self._served_seen.get(src, 0.0) for src, v in served.items()}
+        total_served = sum(d_served.get(SOURCE_OF_TIER[t], 0.0) for t in d_pred if t in SOURCE_OF_TIER)
+        self._served_seen, self._predicted_seen = dict(served), dict(predicted)
+        if total_served <= 0:
+            return
+        overall = total_served / total_pred
+        for tier, n in d_pred.items():
+            if n < _MIN_SOURCE_TOKENS or tier not in SOURCE_OF_TIER:
+                continue
+            relative = (d_served.get(SOURCE_OF_TIER[tier], 0.0) / n) / overall
+            prev = self._source_factor.get(tier, 1.0)
+            self._source_factor[tier] = max(0.25, min(1.0, prev + self.alpha * (min(relative, 1.0) - prev)))
 
     def stale_rate(self) -> float:
         """Stale decisions ÷ decisions that predicted a hit, over the last ``window_s`` seconds."""

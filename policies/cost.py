@@ -54,6 +54,9 @@ from kvroute.policies.tier_policy import TierPolicy
 
 __all__ = ["KvAwarePolicy", "LocalRun", "usable_run"]
 
+#: How often ``choose`` hands the engines' per-source counters (scraped, so no fresher than that) to calibration.
+SOURCE_CHECK_INTERVAL_S = 1.0
+
 
 @register_policy
 class KvAwarePolicy(Policy):
@@ -76,6 +79,7 @@ class KvAwarePolicy(Policy):
         self.calibrator = Calibrator.from_options(calib_opts)
         self.tiers = TierPolicy.from_options(self.params.tier_policy)
         self.queue = QueueModel(self.params, self.calibrator)
+        self._next_source_check = float("-inf")
 
     @classmethod
     def for_pool(cls, pool: PoolContext, **options: object) -> KvAwarePolicy:
@@ -121,12 +125,26 @@ class KvAwarePolicy(Policy):
     def choose(self, request: RouteRequest, workers: Sequence[WorkerView]) -> RoutePlan:
         """The best plan, with the best ``explain_limit`` candidates attached; the prefill worker's
         queue model learns that the request was sent."""
+        self._check_sources(workers)
         plan = self._decide(request, workers, self.params.explain_limit, dry_run=False)
         bd = plan.breakdown  # the prefill worker is busy for all but the queue and the handoff
         service = bd["total_s"] - bd["queue_s"] - bd["handoff_s"] - bd["decode_queue_s"]
         blocks = QueueModel.blocks_needed(request, int(bd.get("tokens_GPU", 0)))
         self.queue.sent(plan.prefill, request.request_id, service, blocks)
         return plan
+
+    def _check_sources(self, workers: Sequence[WorkerView]) -> None:
+        """Once a second, the engines' per-source ground truth (summed over the pool) to the calibrator."""
+        now = self.calibrator.now()
+        if now < self._next_source_check or not self.params.calibrate:
+            return
+        self._next_source_check = now + SOURCE_CHECK_INTERVAL_S
+        totals: dict[str, float] = {}
+        for w in workers:
+            for source, tokens in w.served_by_source.items():
+                totals[source] = totals.get(source, 0.0) + tokens
+        if totals:
+            self.calibrator.observe_sources(totals)
 
     def explain(self, request: RouteRequest, workers: Sequence[WorkerView]) -> RoutePlan:
         """The plan :meth:`choose` would return, with every candidate's breakdown; nothing is learnt
@@ -307,17 +325,22 @@ class KvAwarePolicy(Policy):
         best = shown[0]
         load_tiers: list[dict[str, str]] | None = None
         max_offload: int | None = None
+        max_load: int | None = None
+        by_tier = _tier_tokens(best)
         if self.params.kv_protocol == "p2p":
             load_tiers, max_offload = self.tiers.apply(ctx.request, with_source=best.kv_source is not None)
+            planned_loads = sum(n for tier, n in by_tier.items() if tier != "GPU")
+            max_load = self.tiers.max_load_tokens(ctx.request.latency_class, planned_loads)
         return RoutePlan(
             prefill=best.prefill,
             decode=best.decode,
             kv_source=best.kv_source,
             kv_load_tiers=load_tiers,
             max_offload_tokens=max_offload,
+            max_load_tokens=max_load,
             predicted_cached_tokens=best.predicted_cached_tokens,
             predicted_ttft_s=best.breakdown["total_s"],
-            predicted_by_tier=_tier_tokens(best),
+            predicted_by_tier=by_tier,
             reuse_conversation=ranked[0].reuse,
             reason=_reason(ctx, best, ranked),
             breakdown=dict(best.breakdown),

@@ -154,8 +154,9 @@ class QueueModel:
 
     def still_there(self, worker: WorkerView | None, tier: str, ratio: float) -> float:
         """Probability that a hit the index reports in ``tier`` is still there (``ratio``: the calibrated
-        hit ratio); GPU hits fade as the worker's KV usage passes 90 % (eviction takes them first)."""
-        prob = self._still_there.get(tier, 1.0) * ratio
+        hit ratio, times the tier's factor from per-source ground truth); GPU hits fade as the worker's KV
+        usage passes 90 % (eviction takes them first)."""
+        prob = self._still_there.get(tier, 1.0) * ratio * self._calibrator.source_factor(tier)
         if tier == "GPU" and worker is not None:
             pressure = max(0.0, min(1.0, (worker.kv_usage - 0.9) / 0.1))
             prob *= 1.0 - self._kv_pressure_decay * pressure

@@ -9,7 +9,11 @@ vLLM's offloading connector (>= 0.27) takes two per-request keys in ``kv_transfe
   Offloading a shared prefix (system prompt, tool definitions) pays off for every later request;
   offloading a private conversation tail mostly fills the tier with blocks nobody else will read.
 
-Both are chosen here from the request's latency class and what is known about its shared prefix.
+Both are chosen here from the request's latency class and what is known about its shared prefix. A third
+key (vLLM >= 0.32, ``max_load_tokens``: how many tokens the connector may load past the GPU prefix) caps, for
+the ``capped_load_classes`` (interactive by default), the loads at what the chosen plan priced in: a hit the
+index did not know of (it lags) would otherwise be loaded at a latency nobody weighed; batch classes load
+whatever helps. Engines that do not know a key ignore it (the connector reads ``kv_transfer_params`` by key).
 
 A class's tiers bound what the *engine* may look up on its own (a speculative lookup in a remote tier
 can wait on HIT_PENDING even when it misses). A ``remote_kv_source`` the router names is different: the
@@ -83,8 +87,14 @@ class TierPolicy:
     offload_rule: OffloadRule = "shared_prefix"
     unknown_offload_tokens: int | None = None
     planned_sources: bool = True
+    #: Latency classes whose secondary-tier loads are capped at what the plan priced (``max_load_tokens``).
+    capped_load_classes: list[str] = field(default_factory=lambda: ["interactive"])
 
     def __post_init__(self) -> None:
+        if not isinstance(self.capped_load_classes, list) or not all(
+            isinstance(c, str) for c in self.capped_load_classes
+        ):
+            raise ValueError(f"capped_load_classes must be a list of class names, got {self.capped_load_classes!r}")
         self.classes = {name: validate_tiers(tiers) for name, tiers in self.classes.items()}
         if self.default_class not in self.classes:
             raise ValueError(f"default_class {self.default_class!r} is not one of {sorted(self.classes)}")
@@ -106,6 +116,7 @@ class TierPolicy:
             "offload_rule",
             "unknown_offload_tokens",
             "planned_sources",
+            "capped_load_classes",
         }
         if unknown:
             raise ValueError(f"unknown tier_policy options: {sorted(unknown)}")
@@ -143,6 +154,11 @@ class TierPolicy:
         if request.prompt_tokens is not None:
             shared = min(shared, request.prompt_tokens)
         return shared // block * block
+
+    def max_load_tokens(self, latency_class: str, planned_load_tokens: int) -> int | None:
+        """The cap on secondary-tier loads for a plan that priced ``planned_load_tokens`` of them (None: no cap)."""
+        cls = latency_class if latency_class in self.classes else self.default_class
+        return max(0, planned_load_tokens) if cls in self.capped_load_classes else None
 
     def apply(self, request: RouteRequest, with_source: bool = False) -> tuple[list[LoadTier], int | None]:
         """``(kv_load_tiers, max_offload_tokens)``; ``with_source``: the plan reads a peer's CPU tier."""

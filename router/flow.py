@@ -244,7 +244,9 @@ class RequestFlow:
         if self.protocol == "none":
             return not local
         if self.protocol == "p2p":
-            return not local or plan.kv_load_tiers is not None or plan.max_offload_tokens is not None
+            return not local or any(
+                v is not None for v in (plan.kv_load_tiers, plan.max_offload_tokens, plan.max_load_tokens)
+            )
         return True
 
     # ------------------------------------------------------------------ forward

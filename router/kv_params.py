@@ -132,10 +132,11 @@ def check_kv_transfer_params(params: Mapping[str, Any]) -> None:
             validate_tiers(params["kv_load_tiers"])
         except ValueError as exc:
             raise KVParamsError(str(exc)) from None
-    if "max_offload_tokens" in params:
-        value = params["max_offload_tokens"]
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise KVParamsError("max_offload_tokens must be an integer >= 0")
+    for key in ("max_offload_tokens", "max_load_tokens"):
+        if key in params:
+            value = params[key]
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise KVParamsError(f"{key} must be an integer >= 0")
 
 
 def peer_address(worker: WorkerView) -> tuple[str, int]:
@@ -177,6 +178,8 @@ def _tier_params(plan: RoutePlan) -> dict[str, Any]:
         params["kv_load_tiers"] = [dict(t) for t in plan.kv_load_tiers]
     if plan.max_offload_tokens is not None:
         params["max_offload_tokens"] = plan.max_offload_tokens
+    if plan.max_load_tokens is not None:
+        params["max_load_tokens"] = plan.max_load_tokens
     return params
 
 

@@ -18,11 +18,9 @@ from kvroute.router.metrics import RouterMetrics
 from kvroute.router.receipts import Receipts, receipt_of
 from kvroute.router.requests import ParsedRequest
 from kvroute.router.surfaces import SURFACE_NAMES, usage_counts
+from kvroute.vocabulary import SOURCE_OF_TIER
 
 log = logging.getLogger("kvroute.outcomes")
-
-#: The plan's tiers as vLLM's ``prompt_tokens_cached_by_source`` names where cached tokens came from.
-SOURCE_OF_TIER = {"GPU": "device", "CPU": "host", "STORAGE": "disk", "REMOTE": "p2p"}
 
 
 def surface_of(request: ParsedRequest) -> str:

@@ -98,6 +98,7 @@ class WorkerState:
             kv_blocks=self.load.num_gpu_blocks,
             p2p_host=cfg.p2p_host,
             p2p_port=cfg.p2p_port,
+            served_by_source=self.load.cached_by_source,
         )
 
     def to_dict(self) -> dict[str, object]:

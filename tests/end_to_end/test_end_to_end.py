@@ -189,6 +189,10 @@ async def test_kvaware_fetches_from_a_busy_holder_and_the_engine_serves_it(clien
         assert (plan["prefill"], plan["kv_source"]) == (other.worker_id, holder.worker_id)
         assert {"medium": "CPU", "locality": "REMOTE"} in plan["kv_load_tiers"]
         assert other.stats()["kv_bytes_received"] > 0 and holder.stats()["kv_bytes_sent"] > 0
+        # An interactive request may load what the plan priced in, no more (vLLM's max_load_tokens).
+        loads = sum(n for tier, n in plan["predicted_by_tier"].items() if tier != "GPU")
+        assert plan["max_load_tokens"] == loads > 0
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == plan["predicted_cached_tokens"]
 
 
 async def test_p2p_disaggregated_legs(client: httpx.AsyncClient) -> None:

@@ -1,10 +1,14 @@
-"""Per-request kv_load_tiers and max_offload_tokens."""
+"""Per-request kv_load_tiers, max_offload_tokens and max_load_tokens."""
 
 from __future__ import annotations
 
 import pytest
+from kvroute.indexer.backend import WorkerMatch
 from kvroute.policies.base import RouteRequest
 from kvroute.policies.tier_policy import TierPolicy, validate_tiers
+
+from tests.policies.test_cost import kvaware
+from tests.policies.util import request, workers
 
 
 def req(**kw: object) -> RouteRequest:
@@ -51,3 +55,24 @@ def test_validate_tiers_rejects_malformed_lists() -> None:
     for bad in ("CPU", [{"medium": "CPU"}], [{"medium": "TAPE", "locality": "LOCAL"}], [1]):
         with pytest.raises(ValueError):
             validate_tiers(bad)
+
+
+def test_interactive_loads_are_capped_at_what_the_plan_priced() -> None:
+    policy = TierPolicy()
+    assert policy.max_load_tokens("interactive", 640) == 640
+    assert policy.max_load_tokens("unknown-class", 64) == 64  # the default class: interactive
+    assert policy.max_load_tokens("batch", 640) is None
+    assert TierPolicy(capped_load_classes=[]).max_load_tokens("interactive", 640) is None
+    with pytest.raises(ValueError):
+        TierPolicy.from_options({"capped_load_classes": "interactive"})
+
+
+def test_a_plan_loading_from_the_cpu_tier_carries_max_load_tokens() -> None:
+    ws = workers(2)
+    cpu_hit = WorkerMatch("w0", blocks=40, gpu=10, cpu=30)
+    interactive = kvaware(kv_protocol="p2p").choose(request(1000, cpu_hit), ws)
+    assert interactive.prefill == "w0"
+    assert interactive.max_load_tokens == interactive.predicted_by_tier["CPU"] == 30 * 16
+    batch = kvaware(kv_protocol="p2p").choose(request(1000, cpu_hit, latency_class="batch"), ws)
+    assert batch.max_load_tokens is None
+    assert kvaware().choose(request(1000, cpu_hit), ws).max_load_tokens is None  # no offloading connector
