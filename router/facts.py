@@ -42,6 +42,8 @@ class Facts:
     conversation: ConversationEntry | None = None
     #: Per data-parallel worker, the rank holding the longest prefix (sent as ``X-data-parallel-rank``).
     ranks: dict[str, int] = field(default_factory=dict)
+    #: The LoRA adapter the request names (looked up under its base model with the adapter's key).
+    lora: str | None = None
 
 
 def fold_ranks(
@@ -123,6 +125,7 @@ class FactGatherer:
         # model), keyed with the adapter's name as vLLM does, so base blocks never count for the adapter.
         base = self.registry.base_of(route.model)
         model, lora = (base, route.model) if base else (route.model, None)
+        facts.lora = lora
         prompt = request.prompt
         if prompt is not None and prompt.load_only:
             self.metrics.unrendered.labels(prompt.surface, prompt.load_only).inc()

@@ -23,9 +23,12 @@ from kvroute.vocabulary import SOURCE_OF_TIER
 log = logging.getLogger("kvroute.outcomes")
 
 
-def surface_of(request: ParsedRequest) -> str:
-    """The API surface a prediction is checked on: a tokenizer or template mismatch shows on one of them."""
+def surface_of(request: ParsedRequest, lora: str | None = None) -> str:
+    """The API surface a prediction is checked on: a tokenizer, template or adapter-key mismatch shows on one
+    of them (``+lora``: the request named an adapter; ``+salted``: it carried a ``cache_salt``)."""
     surface = SURFACE_NAMES.get(request.route, "other")
+    if lora is not None:
+        surface += "+lora"
     if request.json is not None and request.json.get("cache_salt"):
         surface += "+salted"
     return surface
@@ -118,6 +121,6 @@ class Outcomes:
             kv.reported.labels(model).inc(reported)
             predicted = plan.predicted_cached_tokens
             outcome = "exact" if predicted == reported else "over" if predicted > reported else "under"
-            kv.fidelity.labels(surface_of(request), outcome).inc()
+            kv.fidelity.labels(surface_of(request, facts.lora), outcome).inc()
             if plan.predicted_cached_tokens > reported + facts.route.block_size:
                 kv.stale.labels(model).inc()

@@ -199,6 +199,16 @@ async def test_repeated_adapter_prompt_predicted_equals_engine(
         assert plan["prefill"] == lora_server.name, plan
         expected = engine_cached(len(reference_tokenizer.completion(probe)), blocks)
         assert plan["predicted_cached_tokens"] == cached_of(answer) == expected > 0, plan
+    # The fidelity probe has the adapter surface of its own, and it saw these predictions exact.
+    text = (await http.get(f"{router.url}/metrics")).text
+    exact = [
+        line
+        for line in text.splitlines()
+        if line.startswith("kvroute_prediction_fidelity_total{")
+        and 'surface="completions+lora"' in line
+        and 'outcome="exact"' in line
+    ]
+    assert exact and float(exact[0].rsplit(" ", 1)[1]) >= 2, exact
 
 
 async def test_base_blocks_never_count_for_the_adapter(
