@@ -149,7 +149,7 @@ class SimFleet:
         started: list[SimWorker] = []
         try:
             for worker in self.workers:
-                await worker.start()
+                await worker.start()  # a worker that fails to start closes what it opened
                 started.append(worker)
         except BaseException:
             await asyncio.gather(*(w.stop() for w in started), return_exceptions=True)

@@ -89,16 +89,16 @@ class EventPublisher:
         pub = ctx.socket(zmq.PUB)
         pub.setsockopt(zmq.SNDHWM, self.hwm)
         pub.setsockopt(zmq.LINGER, 0)
+        self._pub = pub  # owned from here: close() releases it even if the bind below fails
         if self.bind:
             self.endpoint = _bind(pub, self.requested_endpoint)
         else:
             pub.connect(self.requested_endpoint)
-        self._pub = pub
         if self.requested_replay:
             replay = actx.socket(zmq.ROUTER)
             replay.setsockopt(zmq.LINGER, 0)
-            self.replay_endpoint = _bind(replay, self.requested_replay)
             self._replay = replay
+            self.replay_endpoint = _bind(replay, self.requested_replay)
             self._replay_task = asyncio.get_running_loop().create_task(self._serve_replay())
 
     def source(self) -> KVEventSource:

@@ -290,6 +290,15 @@ class SimWorker:
     # -- lifecycle -----------------------------------------------------------------------------------
 
     async def start(self) -> SimWorker:
+        """Bind every socket and serve; a port that cannot be bound fails the start at once, with whatever
+        was opened so far closed again (a half-started worker would hold sockets its context waits on)."""
+        try:
+            return await self._start()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _start(self) -> SimWorker:
         opts = self.opts
         self._sock = _listen(opts.host, opts.http_port)
         self.http_port = self._sock.getsockname()[1]

@@ -24,6 +24,32 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def free_port_runs(count: int, length: int) -> list[int]:
+    """``count`` base ports, each the start of ``length`` consecutive free ports, no two runs overlapping
+    (data-parallel ranks bind port + rank: independent free ports can collide with each other's + 1)."""
+    held: list[socket.socket] = []
+    bases: list[int] = []
+    try:
+        while len(bases) < count:
+            base = free_port()
+            run: list[socket.socket] = []
+            try:
+                for port in range(base, base + length):
+                    sock = socket.socket()
+                    run.append(sock)
+                    sock.bind(("127.0.0.1", port))
+            except OSError:
+                for sock in run:
+                    sock.close()
+                continue
+            held += run  # kept bound until every run is chosen, so the next cannot overlap it
+            bases.append(base)
+        return bases
+    finally:
+        for sock in held:
+            sock.close()
+
+
 class RedisServer:
     """A private redis-server process the tests own (never the machine's shared instance)."""
 

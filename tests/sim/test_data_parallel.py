@@ -9,13 +9,14 @@ import struct
 from typing import Any
 
 import msgspec
+import pytest
 import zmq
 import zmq.asyncio
 from kvroute.config import RouterConfig
 from kvroute.indexer.events import REPLAY_END_SEQ, AllBlocksCleared, BlockStored, decode_batch
-from kvroute.sim.fleet import worker_ports
+from kvroute.sim.fleet import SimFleet, worker_ports
 
-from tests.conftest import free_port
+from tests.conftest import free_port_runs
 from tests.sim.conftest import event_sources, words
 from tests.sim.test_transfers import cached, complete, metric, sent_bytes
 
@@ -129,7 +130,7 @@ async def test_metrics_are_labelled_per_engine(make_fleet: Any, client: Any) -> 
 
 
 async def test_explicit_ports_are_offset_by_rank_and_serve_config_says_dp_size(make_fleet: Any, client: Any) -> None:
-    events, replay, p2p = free_port(), free_port(), free_port()
+    events, replay, p2p = free_port_runs(3, 2)
     fleet = await make_fleet(1, dp_size=2, events_port=events, replay_port=replay, p2p_port=p2p)
     w = fleet[0]
     sources = w.kv_event_sources()
@@ -149,7 +150,7 @@ async def test_ephemeral_ports_per_rank_like_tcp_star_zero(make_fleet: Any, clie
 
 
 async def test_connect_mode_ranks_connect_to_port_plus_rank(make_fleet: Any, client: Any) -> None:
-    base = free_port()
+    (base,) = free_port_runs(1, 2)
     endpoint = f"tcp://127.0.0.1:{base}"
     fleet = await make_fleet(1, dp_size=2, events_connect=endpoint)
     sources = fleet[0].kv_event_sources()
@@ -193,3 +194,22 @@ def test_fleet_base_port_layout_leaves_room_for_ranks() -> None:
     two = [worker_ports(9000, i, dp_size=2) for i in range(2)]
     used = [p + r for ports in two for key, p in ports.items() for r in range(1 if key == "http_port" else 2)]
     assert len(used) == len(set(used)) == 14
+
+
+async def test_a_rank_port_in_use_fails_the_start_at_once_and_leaks_nothing() -> None:
+    """Rank 1 cannot bind (port + 1 is taken): the fleet's start raises instead of hanging on its ZMQ context,
+    and what rank 0 had opened is closed (its ports can be bound again)."""
+    (events,) = free_port_runs(1, 2)
+    squatter = zmq.Context.instance().socket(zmq.PUB)
+    squatter.bind(f"tcp://127.0.0.1:{events + 1}")
+    try:
+        fleet = SimFleet(1, "tiny", time_scale=0.01, dp_size=2, events_port=events)
+        with pytest.raises(zmq.ZMQError):
+            await asyncio.wait_for(fleet.start(), 20)
+    finally:
+        squatter.close(0)
+    probe = zmq.Context.instance().socket(zmq.PUB)
+    try:
+        probe.bind(f"tcp://127.0.0.1:{events}")  # rank 0's port was released
+    finally:
+        probe.close(0)
