@@ -29,7 +29,7 @@ Scenarios, from an aiohttp client in this process (``loadgen.py``):
 "Added" = the target's p50 (p99) minus direct's in the same round; a cell is the median over rounds
 (min-max spread in the JSON). Ratios: to direct, and to the best peer (the lowest added latency, the
 highest requests/s). Output under ``--work``: ``peers_overhead.json``, ``peers_overhead.md``,
-``peers_overhead.png`` (and ``--chart`` for a copy); with ``--profile``, ``profile-kvaware-<scenario>.md``.
+``peers_overhead.png`` (and ``--chart`` for a copy); with ``--profile``, ``profile-<router>-<scenario>.md``.
 """
 
 from __future__ import annotations
@@ -176,17 +176,18 @@ def top_frames(raw: str, n: int = 25) -> tuple[int, int, list[tuple[str, int, in
     return total, busy, [(frame, k, incl[frame]) for frame, k in own.most_common(n)], ours
 
 
-def profile_kvaware(
+def profile_router(
     config: dict[str, Any], workdir: Path, model: str, scenario: Scenario, args: argparse.Namespace
 ) -> str:
-    """py-spy over the kvaware router while it serves ``scenario`` ``--profile-rounds`` times, after one
-    unrecorded pass (start-up, first-use imports and caches left out)."""
+    """py-spy over the ``--profile-router`` kvroute target (kvaware by default) while it serves ``scenario``
+    ``--profile-rounds`` times, after one unrecorded pass (start-up, first-use imports and caches left out)."""
     spy = py_spy()
     if spy is None:
         return "py-spy not found (.venv/bin/pip install py-spy)"
+    target = args.profile_router
     slug = scenario.name.replace(" ", "-")
-    raw = workdir / f"profile-kvaware-{slug}.raw"
-    with router_process(ROUTERS["kvaware"], config, workdir, {}) as running:
+    raw = workdir / f"profile-{target}-{slug}.raw"
+    with router_process(ROUTERS[target], config, workdir, {}) as running:
         measure(running.base, scenario, model, f"profile/{slug}/warm-up", args)
         argv = [spy, "record", "--pid", str(running.pid), "--format", "raw", "--function", "--rate", "500"]
         spy_proc = subprocess.Popen([*argv, "-o", str(raw)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -199,7 +200,7 @@ def profile_kvaware(
     total, busy, top, ours = top_frames(raw.read_text())
     what = f"{args.steps} growing requests" if scenario.kind == "grow" else f"{args.requests} requests"
     lines = [
-        f"py-spy (500 Hz) of `kvroute serve --policy kvaware`, {scenario.name}: {args.profile_rounds} x {what} "
+        f"py-spy (500 Hz) of `kvroute serve --policy {target}`, {scenario.name}: {args.profile_rounds} x {what} "
         f"(p50 {statistics.median(r['p50_ms'] for r in rows):.2f} ms under the profiler); {total} samples, "
         f"{busy} in Python code (the rest in uvloop's C loop: waiting, socket I/O); shares of those",
         "",
@@ -210,7 +211,7 @@ def profile_kvaware(
     lines += ["", "kvroute's own functions by inclusive share:", "", "| incl. | function (file:line) |", "|---:|---|"]
     lines += [f"| {k / busy:.1%} | `{frame}` |" for frame, k in ours if busy]
     text = "\n".join(lines)
-    (workdir.parent / f"profile-kvaware-{slug}.md").write_text(text + "\n")
+    (workdir.parent / f"profile-{target}-{slug}.md").write_text(text + "\n")
     return text
 
 
@@ -389,6 +390,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="after the rounds, py-spy kvaware on these scenarios (no name: the largest growing case)",
     )
     ap.add_argument("--profile-rounds", type=int, default=5, help="passes of each profiled scenario")
+    ap.add_argument(
+        "--profile-router", default="kvaware", choices=["kvaware", "round_robin"], help="the kvroute target profiled"
+    )
     ap.add_argument("--quick", action="store_true", help="a smoke test: 1 round, tiny sizes (under a minute)")
     args = ap.parse_args(argv)
     args.routers = [r.strip() for r in (args.routers or ",".join(DEFAULT_ROUTERS)).split(",") if r.strip()]
@@ -465,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
                         )
                     out_json.write_text(json.dumps({**meta, "runs": runs}, indent=1, default=str))
         for name in args.profile or []:  # the other routers stopped
-            profiles.append(profile_kvaware(config, logs, model, next(s for s in scens if s.name == name), args))
+            profiles.append(profile_router(config, logs, model, next(s for s in scens if s.name == name), args))
     cells = cells_of(runs, names, scens)
     found = verdicts(cells)
     failed = [r for r in runs if "failed" in r]

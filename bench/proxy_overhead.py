@@ -1,7 +1,7 @@
 """Added latency and throughput of going through kvroute instead of straight to the worker.
 
 One minimal, fast upstream on loopback (raw ASGI under uvicorn+uvloop+httptools, fixed small JSON
-completion); kvroute in front of it with each upstream HTTP client (httpx, aiohttp), and the Rust routers
+completion); kvroute in front of it with each upstream HTTP client (native, aiohttp, httpx), and the Rust routers
 when their binaries are found (``--vllm-router PATH``, ``--smg PATH``). Each target gets the same load:
 ``--requests`` small non-streaming /v1/completions at concurrency 1 and 32, from an aiohttp client in this
 process. Prints p50/p99 latency, requests/s, the added p50/p99 versus direct, and ratios to direct.
@@ -190,7 +190,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=3000)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
-    parser.add_argument("--clients", nargs="+", default=["httpx", "aiohttp"])
+    parser.add_argument("--clients", nargs="+", default=["native", "aiohttp", "httpx"])
     parser.add_argument("--bare", action="store_true", help="also measure a bare ASGI+aiohttp proxy (floor)")
     parser.add_argument("--vllm-router", metavar="PATH", help="vllm-router binary to measure as well")
     parser.add_argument("--smg", metavar="PATH", help="SGLang's smg binary (`smg launch ...`) to measure too")

@@ -49,18 +49,76 @@ def root_key(model: str) -> int:
     return _hash(b"kvroute/v1\x00" + model.encode())
 
 
+#: A key chain's context: model, block size, LoRA, salt (the extra keys depend on nothing else).
+ChainContext = tuple[str, int, str | None, str | None]
+
+#: Estimated bytes per cached key: a list slot and a 64-bit int object.
+KEY_BYTES = 8 + 36
+
+
+class KeyMemo:
+    """The key chains computed for one token sequence, kept with the tokenizer's cache entry for it.
+
+    A tokenizer that builds a prompt's ids from a cached prefix knows which cached sequence the prompt
+    extends and by how many tokens; with the chains kept here, the key step continues the chain from the
+    shared blocks directly (no probe of :class:`KeyChainCache`, no comparison of 128 KB of token bytes).
+    At most ``budget`` bytes of keys: the tokenizer counts them in its own bound when it caches the entry.
+    """
+
+    __slots__ = ("budget", "chains")
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.chains: dict[ChainContext, list[int]] = {}
+
+    def put(self, ctx: ChainContext, keys: list[int]) -> None:
+        need = KEY_BYTES * len(keys)
+        if need > self.budget:
+            return
+        if need + sum(KEY_BYTES * len(c) for c in self.chains.values()) > self.budget:
+            self.chains.clear()  # another context's chain gives way (a rare case: one model per prompt)
+        self.chains[ctx] = keys
+
+
+def memo_budget(tokens: int) -> int:
+    """Bytes a tokenizer reserves per cached sequence of ``tokens`` tokens for its :class:`KeyMemo`: two
+    chains of 16-token blocks."""
+    return 2 * KEY_BYTES * (tokens // 16 + 1)
+
+
 class TokenIds(list[int]):
     """Token ids that carry their little-endian uint32 bytes (``packed``), built alongside the ids by a
     tokenizer that reuses cached prefixes: packing 32k Python ints costs more than hashing them.
 
+    ``memo`` holds the key chains of exactly these ids (shared with the tokenizer's cache entry);
+    ``base`` those of a cached sequence whose first ``shared`` ids are these ids' first ``shared``.
+
     Treat it as read-only: ``packed`` is not updated by list mutations (:func:`token_bytes` repacks when
     the lengths disagree, and a same-length edit of a handed-out list is a caller's bug)."""
 
-    __slots__ = ("packed",)
+    __slots__ = ("base", "memo", "packed", "shared")
 
-    def __init__(self, ids: Iterable[int] = (), packed: bytes | None = None) -> None:
+    def __init__(
+        self,
+        ids: Iterable[int] = (),
+        packed: bytes | None = None,
+        memo: KeyMemo | None = None,
+        base: KeyMemo | None = None,
+        shared: int = 0,
+    ) -> None:
         super().__init__(ids)
         self.packed = packed
+        self.memo = memo
+        self.base = base
+        self.shared = shared
+
+    @classmethod
+    def cached(cls, ids: Iterable[int], packed: bytes, base: TokenIds | None = None, shared: int = 0) -> TokenIds:
+        """Ids a tokenizer caches and hands out as they are: an empty key memo of their own, and ``base``'s
+        (the cached ids whose first ``shared`` they share) for the key step to continue."""
+        out = cls(ids, packed, None, base.memo if base is not None else None, shared)
+        out.memo = KeyMemo(memo_budget(len(out)))
+        return out
 
 
 def pack_tokens(tokens: Sequence[int]) -> bytes:
@@ -333,9 +391,6 @@ class PrefixIndex(Generic[S, V]):
 
 # -- incremental key chains ----------------------------------------------------------------------------
 
-#: Estimated bytes per cached key: a list slot and a 64-bit int object.
-KEY_BYTES = 8 + 36
-
 
 class KeyChainCache:
     """Key chains of recent prompts, so a prompt extending (or sharing a prefix with) a recent one hashes
@@ -346,7 +401,7 @@ class KeyChainCache:
 
     def __init__(self, max_bytes: int = 16 << 20) -> None:
         self.max_bytes = max_bytes
-        self._index: dict[tuple[str, int, str | None, str | None], PrefixIndex[bytes, list[int]]] = {}
+        self._index: dict[ChainContext, PrefixIndex[bytes, list[int]]] = {}
         self.counters = {"hits": 0, "prefix_hits": 0, "misses": 0, "blocks_hashed": 0, "blocks_reused": 0}
 
     @property
@@ -379,8 +434,14 @@ class KeyChainCache:
             return request_keys(tokens, block_size, model, lora_name=lora_name, cache_salt=cache_salt)
         step = block_size * 4
         packed = token_bytes(tokens)
-        data = packed if len(packed) == count * step else packed[: count * step]
         ctx = (model, block_size, lora_name or None, cache_salt or None)
+        memo = None
+        if type(tokens) is TokenIds and tokens.memo is not None:
+            memo = tokens.memo
+            keys = self._from_memo(tokens, memo, ctx, memoryview(packed)[: count * step])
+            if keys is not None:
+                return list(keys)
+        data = packed if len(packed) == count * step else packed[: count * step]
         index = self._index.get(ctx)
         if index is None:
             # Marks every 1, 2, 4, ... blocks up to ~4k tokens, then every ~4k tokens (one xxh3 call each).
@@ -390,6 +451,8 @@ class KeyChainCache:
         if cached is not None:
             self.counters["hits"] += 1
             self.counters["blocks_reused"] += count
+            if memo is not None:
+                memo.put(ctx, cached)
             return list(cached)
         found = index.longest(data, probe)
         extras = request_extra_keys(count, lora_name=lora_name, cache_salt=cache_salt)
@@ -400,21 +463,58 @@ class KeyChainCache:
         else:
             base, base_keys, reused, ident = found
             self.counters["prefix_hits"] += 1
-            keys = base_keys[:reused]
-            if reused < count:
-                keys += _chain(
-                    memoryview(data)[reused * step :],
-                    block_size,
-                    base_keys[reused - 1],
-                    extras[reused:] if extras is not None else None,
-                )
+            keys = self._continue(base_keys, reused, memoryview(data), ctx, extras)
             if reused * step == len(base):
                 index.drop(ident)  # superseded: its whole chain is the new entry's prefix
         self.counters["blocks_hashed"] += count - reused
         self.counters["blocks_reused"] += reused
         index.put(data, keys, len(data) + 33 + KEY_BYTES * count + 56, probe)
         self._trim(index)
+        if memo is not None:
+            memo.put(ctx, keys)
         return list(keys)
+
+    def _from_memo(self, tokens: TokenIds, memo: KeyMemo, ctx: ChainContext, data: memoryview) -> list[int] | None:
+        """The chain from the tokenizer's memos: these ids' own, or continued from the cached sequence they
+        extend (``tokens.base``, ``tokens.shared`` ids in common); None when neither holds this context.
+        ``data``: the packed bytes of the whole blocks."""
+        count = len(data) // (4 * ctx[1])
+        keys = memo.chains.get(ctx)
+        if keys is not None and len(keys) == count:
+            self.counters["hits"] += 1
+            self.counters["blocks_reused"] += count
+            return keys
+        base = tokens.base.chains.get(ctx) if tokens.base is not None else None
+        if base is None:
+            return None
+        reused = min(tokens.shared // ctx[1], len(base), count)
+        if reused == 0:
+            return None
+        _, _, lora_name, cache_salt = ctx
+        extras = request_extra_keys(count, lora_name=lora_name, cache_salt=cache_salt)
+        keys = self._continue(base, reused, data, ctx, extras)
+        self.counters["prefix_hits"] += 1
+        self.counters["blocks_hashed"] += count - reused
+        self.counters["blocks_reused"] += reused
+        memo.put(ctx, keys)
+        return keys
+
+    @staticmethod
+    def _continue(
+        base_keys: list[int], reused: int, data: memoryview, ctx: ChainContext, extras: list[list[str] | None] | None
+    ) -> list[int]:
+        """``base_keys[:reused]`` and the chain of the rest of ``data`` (whole blocks) from the last of them."""
+        block_size = ctx[1]
+        keys = base_keys[:reused]
+        count = len(data) // (4 * block_size)
+        if reused < count:
+            keys += _chain(
+                data[reused * block_size * 4 :],
+                block_size,
+                base_keys[reused - 1],
+                extras[reused:] if extras is not None else None,
+            )
+        return keys
 
     def _trim(self, keep: PrefixIndex[bytes, list[int]]) -> None:
         """One bound over every context: the other contexts give way first, least recent entry first."""

@@ -11,7 +11,7 @@ the worker's own blocks, never a scan of the whole index.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvroute.indexer.backend import IndexBackend, IndexOp, WorkerIndexStats, WorkerMatch
@@ -108,7 +108,7 @@ def _slots_of(lanes: int) -> list[int]:
     return out
 
 
-def walk(blocks: dict[int, int], keys: Sequence[int]) -> dict[int, list[int]]:
+def walk_python(blocks: dict[int, int], keys: Sequence[int]) -> dict[int, list[int]]:
     """Per slot ``[blocks, gpu, cpu, storage, remote]`` for the longest runs from the start of ``keys``.
 
     Per block: one dict get and one int comparison while nothing changes. Where the value changes,
@@ -166,6 +166,19 @@ def _credit(entry: list[int], run: int, bits: int) -> None:
     entry[tier + 1] += run
     if remote:
         entry[4] += run
+
+
+_Walk = Callable[[dict[int, int], Sequence[int]], dict[int, list[int]]]
+
+#: The walk lookups use: the compiled one (setup.py builds it) or, where it was not built, the Python one
+#: above, its reference. ``WALK`` says which (logged at start-up).
+walk: _Walk
+try:
+    from kvroute.indexer._walk import walk as _compiled_walk
+
+    walk, WALK = _compiled_walk, "compiled"
+except ImportError:  # pragma: no cover - only where the extension could not be built
+    walk, WALK = walk_python, "python"
 
 
 class MemoryIndex(IndexBackend):

@@ -279,8 +279,8 @@ class RouterConfig(_Strict):
     )
     unhealthy_after: int = Field(default=2, ge=1, description="Failed probes before a worker is marked down")
     healthy_after: int = Field(default=1, ge=1, description="Good probes before a down worker is marked up")
-    http_client: Literal["auto", "httpx", "aiohttp"] = Field(
-        default="auto", description="Upstream HTTP client; auto = aiohttp when installed (see benchmarks)"
+    http_client: Literal["auto", "native", "aiohttp", "httpx"] = Field(
+        default="auto", description="Upstream HTTP client; auto = kvroute's own (native), the cheapest per request"
     )
     gc_gen0_threshold: int = Field(
         default=50_000,

@@ -6,7 +6,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvroute.indexer.keys import PrefixIndex, TokenIds, pack_tokens
+from kvroute.indexer.keys import PrefixIndex, TokenIds, memo_budget, pack_tokens, token_bytes
 from kvroute.router.chat_prompt import ChatPrompt, TokenizeError, conversation
 from kvroute.router.local_tokens import DEFAULT_CACHE_BYTES, counters
 
@@ -37,7 +37,8 @@ class PluginTokenizer:
         self.impl = factory()
         self._extend = getattr(self.impl, "extend", None)
         self._render = getattr(self.impl, "render_chat", None) if self._extend is not None else None
-        self._cache: PrefixIndex[str, tuple[list[int], bytes]] = PrefixIndex(
+        #: Cached ids are handed out as they are (callers treat token lists as read-only).
+        self._cache: PrefixIndex[str, TokenIds] = PrefixIndex(
             cache_bytes if self._extend is not None else 0, unit=1, first=64, step=16384
         )
         self.counters = counters()
@@ -56,29 +57,30 @@ class PluginTokenizer:
         hit = cache.get(text, probe)
         if hit is not None:
             self.counters["hits"] += 1
-            self.counters["tokens_reused"] += len(hit[0])
-            return TokenIds(hit[0], hit[1])
+            self.counters["tokens_reused"] += len(hit)
+            return hit
         found = cache.longest(text, probe)
         grown = None
         if found is not None and found[2] == len(found[0]):
-            base_text, (base_ids, base_packed), _, ident = found
-            grown = self._extend(base_text, len(base_ids), text)
+            base_text, base, _, ident = found
+            grown = self._extend(base_text, len(base), text)
         if grown is not None:
             keep, tail = grown
-            ids = base_ids[:keep]
+            ids = TokenIds.cached(base, token_bytes(base)[: 4 * keep] + pack_tokens(tail), base, keep)  # one copy
+            del ids[keep:]
             ids += tail
-            packed = base_packed[: 4 * keep] + pack_tokens(tail)
             self.counters["prefix_hits"] += 1
             self.counters["tokens_reused"] += keep
             self.counters["tokens_encoded"] += len(tail)
             cache.drop(ident)  # superseded: the new text extends it
         else:
-            ids = list(self.impl.encode(text))
-            packed = pack_tokens(ids)
+            fresh = list(self.impl.encode(text))
+            ids = TokenIds.cached(fresh, pack_tokens(fresh))
             self.counters["misses"] += 1
             self.counters["tokens_encoded"] += len(ids)
-        cache.put(text, (ids, packed), sys.getsizeof(text) + 56 + 40 * len(ids) + 33 + len(packed), probe)
-        return TokenIds(ids, packed)
+        nbytes = sys.getsizeof(text) + 56 + 40 * len(ids) + 33 + 4 * len(ids) + 2 * memo_budget(len(ids))
+        cache.put(text, ids, nbytes, probe)
+        return ids
 
     async def prompt_tokens(self, prompt: str) -> list[int]:
         if not isinstance(prompt, str):

@@ -14,8 +14,9 @@ Modules:
   ``surfaces`` — the Anthropic Messages, OpenAI Responses and render shapes; ``errors`` — error bodies
 - ``admission`` — vLLM's ``--max-num-queued-reqs`` / ``--max-num-queued-tokens`` (HTTP 503)
 - ``engine`` — admission, prefill/decode timeline, KV-transfer hooks of one request
-- ``kvcache`` — the paged prefix cache (chain hashes, LRU, CPU tier, lookahead hashing, a hybrid
-  model's sliding-window group) emitting vLLM KV events; ``events`` — their types and 0.33 encoding
+- ``kvcache`` — the paged prefix cache (chain hashes, LRU, lookahead hashing, a hybrid model's
+  sliding-window group) emitting vLLM KV events; ``offload_tier`` — its CPU tier; ``events`` — their
+  types and 0.33 encoding
 - ``publisher`` — ZMQ PUB + replay ROUTER exactly as vLLM publishes
 - ``kvparams`` — ``kv_transfer_params`` validation; ``transfers`` / ``p2p`` — moving KV between workers
 - ``timing`` / ``presets`` — the timing model and the model x hardware figures

@@ -3,7 +3,8 @@
 Full blocks only, a chain hash per block (seeded per process unless a seed is given, like vLLM without
 ``PYTHONHASHSEED``), reference counts for running requests, LRU eviction of free blocks (a request's
 blocks are freed tail first, so tails go before shared prefixes). GPU evictions are offloaded to the
-CPU tier when there is one; a CPU hit is promoted back by the engine (which pays the copy time).
+CPU tier when there is one (:class:`~kvroute.sim.offload_tier.OffloadTier`); a CPU hit is promoted back
+by the engine (which pays the copy time).
 Every change is reported through ``emit`` as a vLLM KV event (:mod:`kvroute.sim.events`).
 
 Two vLLM 0.33 variants, off by default:
@@ -31,6 +32,7 @@ import xxhash
 from kvroute.indexer.events import AllBlocksCleared, BlockHash, KVEvent
 from kvroute.indexer.keys import extra_bytes, token_bytes
 from kvroute.sim.events import FULL_ATTENTION, SLIDING_WINDOW, SimBlockRemoved, SimBlockStored
+from kvroute.sim.offload_tier import OffloadTier
 
 #: One block's extra keys (LoRA name, ``cache_salt`` on block 0), as ``BlockStored.extra_keys`` carries them.
 BlockExtra = list[Any] | None
@@ -174,6 +176,9 @@ class Allocation:
 
 
 class PagedCache:
+    """The GPU tier's blocks, references and LRU, in front of the CPU tier (``cpu``) it offloads evictions to
+    and a hybrid model's sliding-window group (``swa``)."""
+
     def __init__(
         self,
         gpu_blocks: int,
@@ -195,9 +200,7 @@ class PagedCache:
         self.block_size = block_size
         self.seed = seed if seed is not None else int.from_bytes(os.urandom(8), "little")
         self.hash_bytes = hash_bytes
-        self.self_describing = self_describing
         self.lookahead = lookahead
-        self.offload_ownership = offload_ownership
         self._sink = emit
         #: A reset's ``AllBlocksCleared`` waits for the engine's next step, as vLLM's does (its block pool
         #: queues the event, the scheduler publishes the queue after a step, an idle engine runs none).
@@ -209,7 +212,9 @@ class PagedCache:
         )
         self.gpu: dict[BlockHash, Block] = {}
         self.lru: OrderedDict[BlockHash, None] = OrderedDict()
-        self.cpu: OrderedDict[BlockHash, Block] = OrderedDict()
+        self.cpu = OffloadTier(
+            cpu_blocks, block_size, self._emit, self_describing=self_describing, ownership=offload_ownership
+        )
         self.reserved = 0
         self._next_bid = 0
         self._seed_bytes = self.seed.to_bytes(8, "little")
@@ -278,12 +283,7 @@ class PagedCache:
             if h not in self.gpu:
                 break
             n_gpu += 1
-        n_cpu = 0
-        for h in hashes[n_gpu:]:
-            if h not in self.cpu:
-                break
-            n_cpu += 1
-        return n_gpu, n_cpu
+        return n_gpu, self.cpu.held_prefix(hashes[n_gpu:])
 
     def hybrid_hit(self, hashes: Sequence[BlockHash], n: int) -> int:
         """``n`` cut down to what the sliding-window group also serves (``n`` without a hybrid model)."""
@@ -479,9 +479,7 @@ class PagedCache:
         return [self.gpu[h].bid for h in hashes if h in self.gpu]
 
     def touch_cpu(self, hashes: Sequence[BlockHash]) -> None:
-        for h in hashes:
-            if h in self.cpu:
-                self.cpu.move_to_end(h)
+        self.cpu.touch(hashes)
 
     def cpu_block(self, h: BlockHash) -> Block | None:
         return self.cpu.get(h)
@@ -492,48 +490,8 @@ class PagedCache:
         h, _ = self.lru.popitem(last=False)
         block = self.gpu.pop(h)
         self._emit(SimBlockRemoved(block_hashes=[h], medium="GPU", group_idx=0))
-        if self.cpu_blocks and block.offload:
-            self._offload(block)
-
-    def _offload(self, block: Block) -> None:
-        if block.hash in self.cpu:
-            self.cpu.move_to_end(block.hash)
-            return
-        removed: list[BlockHash] = []
-        while len(self.cpu) >= self.cpu_blocks:
-            old, _ = self.cpu.popitem(last=False)
-            removed.append(old)
-        owner = self.offload_ownership
-        if removed:
-            self._emit(SimBlockRemoved(block_hashes=removed, medium="CPU", group_idx=0, ownership=owner))
-        self.cpu[block.hash] = block
-        if self.self_describing:
-            self._emit(
-                SimBlockStored(
-                    block_hashes=[block.hash],
-                    parent_block_hash=block.parent,
-                    token_ids=list(block.tokens),
-                    block_size=self.block_size,
-                    medium="CPU",
-                    extra_keys=[block.extra] if block.extra else None,
-                    group_idx=0,
-                    kv_cache_spec_kind=FULL_ATTENTION,
-                    ownership=owner,
-                )
-            )
-        else:  # placeholders: no tokens, no spec (vLLM's carry only the hash and group_idx)
-            self._emit(
-                SimBlockStored(
-                    block_hashes=[block.hash],
-                    parent_block_hash=block.parent,
-                    token_ids=[],
-                    block_size=0,
-                    medium="CPU",
-                    group_idx=0,
-                    kv_cache_spec_kind=None,
-                    ownership=owner,
-                )
-            )
+        if block.offload:
+            self.cpu.offload(block)
 
     def reset(self) -> bool:
         """Reset the prefix cache (vLLM refuses while blocks are in use). ``AllBlocksCleared`` goes out at

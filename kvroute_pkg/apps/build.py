@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import httpx
 from fastapi import APIRouter
 from kvroute.config import RouterConfig, WorkerConfig
+from kvroute.indexer import memory as memory_index
 from kvroute.indexer.backend import IndexBackend
 from kvroute.indexer.maintenance import IndexMaintenance
 from kvroute.indexer.memory import MemoryIndex
@@ -61,6 +62,8 @@ def make_backend(config: RouterConfig) -> IndexBackend:
         return RedisIndex(
             index.redis_url, prefix=index.redis_prefix, ttl_s=index.block_ttl_s, cluster=index.redis_cluster
         )
+    if memory_index.WALK != "compiled":
+        log.warning("the compiled chain walk is not built: lookups run the Python walk (reinstall with a C compiler)")
     return MemoryIndex(max_blocks=index.max_blocks)
 
 

@@ -50,7 +50,7 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="port to bind (default 8000)")
     parser.add_argument("--admin-token", help="bearer token required by /admin (default: none)")
-    parser.add_argument("--http-client", choices=["auto", "httpx", "aiohttp"], help="upstream HTTP client")
+    parser.add_argument("--http-client", choices=["auto", "native", "aiohttp", "httpx"], help="upstream HTTP client")
     parser.add_argument("--max-body-bytes", type=int, help="largest accepted request body")
     parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="log level")
     parser.add_argument("--check", action="store_true", help="validate the configuration and exit")

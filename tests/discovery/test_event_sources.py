@@ -24,7 +24,7 @@ from tests.discovery.conftest import sample
 from tests.discovery.workers import Worker, serve_worker, vllm_sources
 
 
-@pytest.fixture(params=["httpx", "aiohttp"])
+@pytest.fixture(params=["native", "aiohttp", "httpx"])
 async def client(request: pytest.FixtureRequest) -> AsyncIterator[Transport]:
     transport = make_transport(request.param, 1.0, 5.0)
     yield transport

@@ -30,9 +30,9 @@ async def run_router(
         yield url, app
 
 
-@pytest.fixture(params=["httpx", "aiohttp"])
+@pytest.fixture(params=["native", "aiohttp", "httpx"])
 def http_client(request: pytest.FixtureRequest) -> str:
-    """Transport-sensitive tests run with both upstream clients."""
+    """Transport-sensitive tests run with every upstream client."""
     return request.param
 
 

@@ -237,3 +237,62 @@ def test_tokenizer_caches_stay_within_their_bytes(model_folder: Path, texts: lis
             assert sim.encode(t) == tokenize(t)
             assert local.stats()["bytes"] <= 60_000 and sim.stats()["bytes"] <= 20_000
     assert LocalTokenizer(model_folder, cache_bytes=0).encode_prompt("abc") == scratch_prompt(local, "abc")
+
+
+@SETTINGS
+@given(
+    start=st.lists(st.sampled_from(PIECES), min_size=20, max_size=200).map("".join),
+    steps=st.lists(STEP, max_size=12),
+    contexts=st.lists(
+        st.tuples(st.sampled_from([1, 4, 16]), st.sampled_from([None, "tenant"]), st.sampled_from([None, "adapter"])),
+        min_size=1,
+        max_size=3,
+    ),
+    key_bytes=st.sampled_from([0, 4_000, 1 << 20]),
+)
+def test_keys_continued_from_the_tokenizers_memos_equal_from_scratch(
+    model_folder: Path,
+    start: str,
+    steps: list[tuple[str, str, int]],
+    contexts: list[tuple[int, str | None, str | None]],
+    key_bytes: int,
+) -> None:
+    """The tokenizers hand the key step the chains of the cached text a prompt extends (``KeyMemo``):
+    completions (wrapped in the specials), raw chat renders and the built-in tokenizer, through growths,
+    edits in the middle, truncations and repeats, in several contexts at once, always give the keys of a
+    from-scratch hash."""
+    local = LocalTokenizer(model_folder)
+    sim = PluginTokenizer("python:kvroute.sim.tokenizer:BuiltinTokenizer")
+    cache = KeyChainCache(key_bytes)
+    text = start
+    for step in [("repeat", "", 0), *steps]:
+        text = apply(text, step)
+        for tokens in (local.encode_prompt(text), local.encode_raw(text), sim.encode(text)):
+            assert isinstance(tokens, TokenIds) and tokens.memo is not None
+            for block, salt, lora in contexts:
+                got = cache.keys(tokens, block, "m", lora_name=lora, cache_salt=salt)
+                assert got == request_keys(list(tokens), block, "m", lora_name=lora, cache_salt=salt)
+    again = local.encode_prompt(text)
+    if key_bytes and (16, None, None) in contexts and len(again) >= 16:  # (0 turns the key cache off)
+        assert isinstance(again, TokenIds) and again.memo is not None and again.memo.chains  # filled, answers
+
+
+def test_a_growing_prompt_hashes_only_its_new_blocks_through_the_memo(model_folder: Path) -> None:
+    """A prompt extending the previous one takes the previous one's chain from the tokenizer's memo: the
+    key cache's own prefix index is not even probed (no entries), and only the new blocks are hashed."""
+    sim = PluginTokenizer("python:kvroute.sim.tokenizer:BuiltinTokenizer")
+    cache = KeyChainCache()
+    text = " ".join(f"w{i}" for i in range(16 * 512))
+    first = sim.encode(text)
+    assert cache.keys(first, 16, "m") == request_keys(list(first), 16, "m")
+    entries = cache.stats()["entries"]
+    grown = sim.encode(text + " " + " ".join(f"n{i}" for i in range(40)))
+    assert grown.base is first.memo and grown.shared == 16 * 512
+    before = cache.stats()["blocks_hashed"]
+    assert cache.keys(grown, 16, "m") == request_keys(list(grown), 16, "m")
+    stats = cache.stats()
+    assert stats["blocks_hashed"] - before == (16 * 512 + 40) // 16 - 512
+    assert stats["entries"] == entries  # the memo served it: nothing new in the key cache's index
+    again = sim.encode(text + " " + " ".join(f"n{i}" for i in range(40)))
+    assert cache.keys(again, 16, "m") == request_keys(list(grown), 16, "m")
+    assert cache.stats()["hits"] == stats["hits"] + 1

@@ -1,0 +1,3 @@
+from collections.abc import Sequence
+
+def walk(blocks: dict[int, int], keys: Sequence[int]) -> dict[int, list[int]]: ...
