@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import ctypes
+import ctypes.util
 import io
 import pstats
 import random
@@ -31,6 +33,15 @@ from kvroute.indexer.events import BlockStored, encode_batch, encode_seq
 from kvroute.indexer.memory import MemoryIndex
 from kvroute.indexer.service import KVIndexer
 from kvroute.policies import Policy, RouteRequest, WorkerView, create_policy
+
+
+def tune_allocator(trim_mb: int) -> None:
+    """The allocator thresholds the router process runs with (``kvroute.router.heap``), set here directly so
+    an older package measured with this script gets the same ones."""
+    if trim_mb > 0:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD
+        libc.mallopt(-1, trim_mb << 20)  # M_TRIM_THRESHOLD
 
 
 def percentile(samples: list[float], q: float) -> float:
@@ -315,7 +326,14 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=30)
     parser.add_argument("--incremental-only", action="store_true", help="only the incremental decision case")
     parser.add_argument("--profile", action="store_true", help="cProfile the incremental decision")
+    parser.add_argument(
+        "--heap-trim-mb",
+        type=int,
+        default=128,
+        help="glibc thresholds as `kvroute serve` sets them (heap_trim_threshold_mb; 0: glibc's defaults)",
+    )
     args = parser.parse_args()
+    tune_allocator(args.heap_trim_mb)
     bench_incremental(args.prompt_tokens, args.iters, args.workers[0], args.profile)
     if args.incremental_only:
         return

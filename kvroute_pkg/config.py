@@ -282,6 +282,12 @@ class RouterConfig(_Strict):
     http_client: Literal["auto", "native", "aiohttp", "httpx"] = Field(
         default="auto", description="Upstream HTTP client; auto = kvroute's own (native), the cheapest per request"
     )
+    heap_trim_threshold_mb: int = Field(
+        default=128,
+        ge=0,
+        description="glibc: large freed blocks stay in the heap for reuse, up to this many MB above its top, instead "
+        "of being unmapped and faulted in again per long prompt (0 = leave the allocator as it is)",
+    )
     gc_gen0_threshold: int = Field(
         default=50_000,
         ge=0,

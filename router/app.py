@@ -10,7 +10,6 @@ order and stops them in reverse.
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -21,6 +20,7 @@ from fastapi import APIRouter
 from kvroute.router.admin import build_admin_app
 from kvroute.router.admin_auth import bearer_matches
 from kvroute.router.errors import ApiError, api_error_response, error_response
+from kvroute.router.heap import keep_freed_memory, settle_heap
 from kvroute.router.http_body import ClientGone, read_body, until_disconnect
 from kvroute.router.metrics import CONTENT_TYPE
 from kvroute.router.paths import canonical_path
@@ -42,19 +42,6 @@ log = logging.getLogger("kvroute.app")
 Endpoint = Callable[[Request], Awaitable[Response]]
 
 
-def settle_heap(gen0_threshold: int) -> None:
-    """Move what start-up allocated out of the garbage collector's reach and collect young objects less
-    often. Otherwise every full collection walks the app, its modules and the index on the request path:
-    with 32 concurrent clients that was +25 ms of added p99 latency, +4 ms after (docs/benchmarks.md).
-    The request path allocates no reference cycles worth collecting early."""
-    if gen0_threshold <= 0:
-        return
-    gc.collect()
-    gc.freeze()
-    _, gen1, gen2 = gc.get_threshold()
-    gc.set_threshold(gen0_threshold, max(gen1, 50), max(gen2, 100))
-
-
 def create_app(state: RouterState, admin_routers: Sequence[APIRouter] = ()) -> Starlette:
     """The router app over ``state``; ``admin_routers`` (index admin, explain) join the /admin sub-app."""
 
@@ -66,6 +53,7 @@ def create_app(state: RouterState, admin_routers: Sequence[APIRouter] = ()) -> S
                 await service.start()
                 started.append(service)
             settle_heap(state.config.gc_gen0_threshold)
+            keep_freed_memory(state.config.heap_trim_threshold_mb)
             yield
         finally:
             for service in reversed(started):

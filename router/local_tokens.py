@@ -55,30 +55,38 @@ DEFAULT_CACHE_BYTES = 64 << 20
 
 
 class _Entry:
-    """One cached text's tokens: ids (a :class:`TokenIds` carrying their packed bytes and the key chains
-    computed for them), their character starts, and the ids wrapped in the post-processor's specials once
-    a completion asked for them. Handed out as they are: callers treat token lists as read-only."""
+    """One cached text's tokens: ids (a plain list: the fast thing to slice and copy), their character
+    starts and packed bytes, and the two forms handed out, each built once when first asked for: the ids
+    as they are (``raw``) and wrapped in the post-processor's specials (``wrapped``), :class:`TokenIds`
+    carrying their key memos. Callers treat token lists as read-only.
 
-    __slots__ = ("ids", "starts", "wrapped", "wrapped_base")
+    ``bases``: when built from another entry, that entry's two key memos and how many ids they share."""
 
-    def __init__(self, ids: TokenIds, starts: array[int], wrapped_base: KeyMemo | None = None) -> None:
+    __slots__ = ("bases", "ids", "packed", "raw", "starts", "wrapped")
+
+    def __init__(
+        self, ids: list[int], starts: array[int], packed: bytes, bases: tuple[KeyMemo | None, KeyMemo | None, int]
+    ) -> None:
         self.ids = ids
         self.starts = starts
+        self.packed = packed
+        self.bases = bases
+        self.raw: TokenIds | None = None
         self.wrapped: TokenIds | None = None
-        #: The key memo of the wrapped ids of the entry these ids extend (``ids.base`` is of its raw ids).
-        self.wrapped_base = wrapped_base
 
-    @property
-    def packed(self) -> bytes:
-        assert self.ids.packed is not None
-        return self.ids.packed
+    def memos(self) -> tuple[KeyMemo | None, KeyMemo | None]:
+        """The key memos of the forms handed out so far (an entry built from this one continues them)."""
+        return (self.raw.memo if self.raw else None, self.wrapped.memo if self.wrapped else None)
 
     def nbytes(self, text: str) -> int:
-        """Memory held, counted high: every id as its own int object (spliced lists share them), the
-        wrapped list, this entry's two key memos and the one of the entry it extended."""
+        """Memory held, counted high: every id as its own int object (spliced lists share them), the two
+        handed-out lists, this entry's two key memos and the two of the entry it extended."""
         n = len(self.ids)
         memos = 4 * memo_budget(n)
-        return sys.getsizeof(text) + (56 + 40 * n) + (64 + 4 * n) + (33 + 4 * n) + (56 + 8 * n) + 80 + memos
+        return sys.getsizeof(text) + (56 + 40 * n) + (64 + 4 * n) + (33 + 4 * n) + 2 * (56 + 8 * n) + 80 + memos
+
+
+NO_BASE: tuple[KeyMemo | None, KeyMemo | None, int] = (None, None, 0)
 
 
 def counters() -> dict[str, int]:
@@ -173,7 +181,12 @@ class LocalTokenizer:
 
     def encode_raw(self, text: str) -> list[int]:
         """Tokens of ``text`` without added special tokens, reusing a cached prefix when possible."""
-        return self._entry(text).ids
+        entry = self._entry(text)
+        if entry.raw is None:
+            raw_base, _, shared = entry.bases
+            entry.raw = TokenIds.cached(entry.ids, entry.packed)
+            entry.raw.base, entry.raw.shared = raw_base, shared
+        return entry.raw
 
     def _entry(self, text: str) -> _Entry:
         cache = self._cache
@@ -202,7 +215,7 @@ class LocalTokenizer:
     def _full(self, text: str) -> _Entry:
         self.counters["misses"] += 1
         ids, starts = self._encode(text)
-        return _Entry(TokenIds.cached(ids, pack_tokens(ids)), array("I", starts))
+        return _Entry(ids, array("I", starts), pack_tokens(ids), NO_BASE)
 
     def _special_cut(self, base_text: str, base: _Entry, shared: int, start: int = 0) -> int | None:
         """Index of the last special token the cached text holds wholly inside ``[start, shared)``."""
@@ -266,16 +279,14 @@ class LocalTokenizer:
         return self._splice(base, special, ids, tail_starts, cut)
 
     def _splice(self, base: _Entry, keep: int, ids: list[int], starts: list[int], offset: int) -> _Entry:
-        """The first ``keep`` of ``base``'s ids, then ``ids`` (one copy of the kept ids: 32k of them cost
-        ~75 µs a copy)."""
+        """The first ``keep`` of ``base``'s ids, then ``ids``."""
         self.counters["prefix_hits"] += 1
         self.counters["tokens_reused"] += keep
-        out = TokenIds.cached(base.ids, base.packed[: 4 * keep] + pack_tokens(ids), base.ids, keep)
-        del out[keep:]
+        out = base.ids[:keep]
         out += ids
         out_starts = base.starts[:keep]
         out_starts.extend(s + offset for s in starts)
-        return _Entry(out, out_starts, base.wrapped.memo if base.wrapped is not None else None)
+        return _Entry(out, out_starts, base.packed[: 4 * keep] + pack_tokens(ids), (*base.memos(), keep))
 
     def encode_prompt(self, prompt: str) -> list[int]:
         """A completion prompt as vLLM encodes it (with the post-processor's special tokens)."""
@@ -283,17 +294,18 @@ class LocalTokenizer:
             raise TokenizeError("prompt must be a string")
         if self._pre is None or self._post is None:
             return self.tokenizer.encode(prompt, add_special_tokens=True).ids
-        entry = self._entry(prompt)
         if not self._pre and not self._post:
-            return entry.ids
+            return self.encode_raw(prompt)
+        entry = self._entry(prompt)
         if entry.wrapped is None:
-            raw, pre = entry.ids, self._pre
+            pre = self._pre
             wrapped = TokenIds(pre, self._pre_packed + entry.packed + self._post_packed)
-            wrapped += raw
+            wrapped += entry.ids  # a plain list: copied at memcpy speed (a list subclass would be iterated)
             wrapped += self._post
             wrapped.memo = KeyMemo(memo_budget(len(wrapped)))
-            if entry.wrapped_base is not None:  # the entry it extends, wrapped alike: the same tokens ahead
-                wrapped.base, wrapped.shared = entry.wrapped_base, len(pre) + raw.shared
+            _, wrapped_base, shared = entry.bases
+            if wrapped_base is not None:  # the entry it extends, wrapped alike: the same tokens ahead
+                wrapped.base, wrapped.shared = wrapped_base, len(pre) + shared
             entry.wrapped = wrapped
         return entry.wrapped
 

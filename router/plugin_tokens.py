@@ -66,9 +66,9 @@ class PluginTokenizer:
             grown = self._extend(base_text, len(base), text)
         if grown is not None:
             keep, tail = grown
-            ids = TokenIds.cached(base, token_bytes(base)[: 4 * keep] + pack_tokens(tail), base, keep)  # one copy
-            del ids[keep:]
-            ids += tail
+            kept = base[:keep]  # slicing copies as fast as memcpy; TokenIds(a list subclass) would iterate
+            kept += tail
+            ids = TokenIds.cached(kept, token_bytes(base)[: 4 * keep] + pack_tokens(tail), base, keep)
             self.counters["prefix_hits"] += 1
             self.counters["tokens_reused"] += keep
             self.counters["tokens_encoded"] += len(tail)
