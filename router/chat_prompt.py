@@ -269,7 +269,12 @@ def conversation(messages: Sequence[Any], fmt: ContentFormat) -> list[dict[str, 
         if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
             raise TokenizeError(f"messages[{i}] must be an object with a string role")
         role = message["role"]
-        msg: dict[str, Any] = {"role": role, "content": _content(role, message.get("content"), fmt, f"messages[{i}]")}
+        content = message.get("content")
+        if type(content) is str and role != "system":  # the common case, without building one part per message
+            value: str | list[dict[str, Any]] = content if fmt == "string" else [{"type": "text", "text": content}]
+        else:
+            value = _content(role, content, fmt, f"messages[{i}]")
+        msg: dict[str, Any] = {"role": role, "content": value}
         if role == "assistant":
             calls = message.get("tool_calls")
             if calls is not None:
