@@ -202,15 +202,17 @@ def peer_process(
 
 
 @contextlib.contextmanager
-def kvroute_process(policy: str, config: dict[str, Any], workdir: Path) -> Iterator[Running]:
+def kvroute_process(
+    policy: str, config: dict[str, Any], workdir: Path, python: str = sys.executable, tag: str = ""
+) -> Iterator[Running]:
     """``kvroute serve --policy policy`` with ``config`` (the fleet's own, tokenizer included), ready; stopped
-    after."""
+    after. ``python``: another install's interpreter (an older checkout's venv, measured in the same run)."""
     config = {**config, "policy": policy, "port": free_port()}
-    router_yaml = workdir / f"router-{policy}.yaml"
+    router_yaml = workdir / f"router-{policy}{tag}.yaml"
     router_yaml.write_text(yaml.safe_dump(config, sort_keys=False))
-    argv = [sys.executable, "-m", "kvroute.apps.cli", "serve", "--config", str(router_yaml), "--log-level", "warning"]
+    argv = [python, "-m", "kvroute.apps.cli", "serve", "--config", str(router_yaml), "--log-level", "warning"]
     base = f"http://127.0.0.1:{config['port']}"
-    log = workdir / f"router-{policy}.log"
+    log = workdir / f"router-{policy}{tag}.log"
     with process(argv, log) as proc:
         wait_until_ready(lambda: answers_ok(base + "/ready"), proc, f"kvroute serve --policy {policy}", log)
         yield Running(base, base + "/metrics", proc.pid)

@@ -57,7 +57,7 @@ import workloads
 from kvroute.experiment import FleetSpec, fleet_process
 from kvroute.report import pyplot, save_figure
 from loadgen import Stats, closed_loop, latency_stats, stream_once
-from peers import PEERS, ROUTERS, Router, ensure_peer, router_process
+from peers import PEERS, ROUTERS, Router, ensure_peer, kvroute_process, router_process
 
 DEFAULT_ROUTERS = ("kvaware", "round_robin", "smg:cache_aware", "vllm-router:cache_aware")
 DIRECT = "direct"
@@ -247,8 +247,12 @@ def cells_of(runs: list[dict[str, Any]], names: list[str], scens: list[Scenario]
     return cells
 
 
+#: The ``--baseline`` target: kvaware served by another install, in the same run.
+BASELINE = "kvaware@baseline"
+
+
 def is_peer(name: str) -> bool:
-    return name != DIRECT and ROUTERS[name].kind != "kvroute"
+    return name not in (DIRECT, BASELINE) and ROUTERS[name].kind != "kvroute"
 
 
 def add_ratios(cells: list[dict[str, Any]]) -> None:
@@ -370,6 +374,9 @@ def chart(cells: list[dict[str, Any]], path: Path, title: str) -> Path | None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--baseline", help="the python of another kvroute install: its kvaware is one more target (before/after)"
+    )
     ap.add_argument("--routers", help=f"comma-separated, of {', '.join(ROUTERS)} (default {','.join(DEFAULT_ROUTERS)})")
     ap.add_argument("--repeats", type=int, help="interleaved rounds, medians over them (default 3; --quick 1)")
     ap.add_argument("--requests", type=int, help="small requests per cell (default 3000; --quick 100)")
@@ -421,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     logs = Path(tempfile.mkdtemp(prefix="runs-", dir=work))
     routers: list[Router] = [ROUTERS[name] for name in args.routers]
     exes = {r.kind: ensure_peer(PEERS[r.kind], work) for r in routers if r.kind in PEERS}
-    names = [DIRECT, *args.routers]
+    names = [DIRECT, *args.routers, *([BASELINE] if args.baseline else [])]
     scens = scenarios(args)
     fleet = FleetSpec(workers=args.workers, preset=args.preset, time_scale=args.time_scale)
     setting = f"{args.workers} x {args.preset} (kvroute sim, time scale {args.time_scale:g}), {os.cpu_count()} CPUs"
@@ -455,6 +462,9 @@ def main(argv: list[str] | None = None) -> int:
                     error = f"{type(exc).__name__}: {exc}"[:2000]
                     print(f"  {name} did not start: {error[:300]}", file=sys.stderr, flush=True)
                     runs.append({"round": 0, "target": name, "failed": error})
+            if args.baseline:
+                running = stack.enter_context(kvroute_process("kvaware", config, logs, args.baseline, "-baseline"))
+                bases[BASELINE] = running.base
             for rnd in range(args.repeats):
                 for s in scens:
                     live = [n for n in names if n in bases]
