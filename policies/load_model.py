@@ -29,6 +29,7 @@ class QueueModel:
 
     __slots__ = (
         "_calibrator",
+        "_decode_step_s",
         "_default_hold_s",
         "_hold_s",
         "_kv_pressure_decay",
@@ -44,6 +45,7 @@ class QueueModel:
         self._max_pending = params.max_pending
         self._parallelism = params.queue_parallelism
         self._unknown_running_weight = params.unknown_running_weight
+        self._decode_step_s = params.decode_queue_s_per_request
         self._default_hold_s = params.default_hold_s
         self._still_there = params.still_there
         self._kv_pressure_decay = params.kv_pressure_decay
@@ -108,7 +110,10 @@ class QueueModel:
         engine's *running* count. Those are other clients' requests or, far more often, a scrape older
         than our own finished requests; either way most running requests are decoding, which delays a new
         prefill little (continuous batching), and counting them as full prefills sent sessions away from
-        the worker holding their history for a queue that was not there.
+        the worker holding their history for a queue that was not there. On a decode-role worker what
+        runs, the router's in-flight P/D decode legs included, is decoding: a prefill there waits for them
+        as a decode leg does (``decode_queue_s_per_request`` each), not as for prefills (counted as full
+        prefills, 12 decode legs priced a decoder's own 150-token prefill at +240 ms, out of every plan).
         """
         cal = self._calibrator
         known = 0.0
@@ -122,7 +127,11 @@ class QueueModel:
         sent_unknown = max(0, w.inflight - own)
         scraped = max(0, w.running + w.waiting - max(w.inflight, own))
         waiting = min(scraped, w.waiting)
-        unknown = sent_unknown + waiting + (scraped - waiting) * self._unknown_running_weight
+        running = scraped - waiting
+        if w.role == "decode":  # decodes (P/D legs): a new prefill joins their next step, as a decode leg does
+            decodes = running + sent_unknown
+            return (known + waiting * cal.service_time(w.id)) / self._parallelism + decodes * self._decode_step_s
+        unknown = sent_unknown + waiting + running * self._unknown_running_weight
         return (known + unknown * cal.service_time(w.id)) / self._parallelism
 
     @staticmethod

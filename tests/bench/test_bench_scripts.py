@@ -47,7 +47,9 @@ def test_routing_bench_reports_every_policy_with_engine_counters(tmp_path: Path)
         assert set(rows) == {"round_robin", "kvaware"}
         for row in rows.values():
             assert row["errors"] == 0
-            assert 0.0 <= row["oracle_share"] <= 1.1  # blocks land slightly before the first token
+            # The oracle counts a prefix as cached from its first token; its blocks land slightly before. On a
+            # run this small one request sent in between is a tenth of the oracle's total.
+            assert 0.0 <= row["oracle_share"] <= 1.25
             # The engines' per-tier counters add up to the cached tokens the clients were told about.
             served = row["gpu_hits_engine"] + row["cpu_hits_engine"] + row["remote_hits_engine"]
             assert served == row["cached_tokens"]

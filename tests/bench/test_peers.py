@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -144,7 +145,7 @@ def test_chat_and_sizing_helpers() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_peers_bench_runs_every_cell_with_kvroute_routers(tmp_path: Path) -> None:
+def _run_peers(work: Path, traces: str, regimes: str) -> dict[tuple[str, str, str], Any]:
     done = subprocess.run(
         [
             sys.executable,
@@ -161,8 +162,12 @@ def test_peers_bench_runs_every_cell_with_kvroute_routers(tmp_path: Path) -> Non
             "0.25",
             "--scale",
             "0.5",
+            "--traces",
+            traces,
+            "--regimes",
+            regimes,
             "--work",
-            str(tmp_path),
+            str(work),
         ],
         capture_output=True,
         text=True,
@@ -170,12 +175,21 @@ def test_peers_bench_runs_every_cell_with_kvroute_routers(tmp_path: Path) -> Non
         cwd=ROOT,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    data = json.loads((tmp_path / "peers.json").read_text())
+    data = json.loads((work / "peers.json").read_text())
     assert not any("failed" in r for r in data["runs"])
-    cells = {(c["trace"], c["regime"], c["router"]): c for c in data["cells"]}
+    return {(c["trace"], c["regime"], c["router"]): c for c in data["cells"]}
+
+
+def test_peers_bench_runs_every_cell_with_kvroute_routers(tmp_path: Path) -> None:
+    """Every trace in the light and P/D regimes (the two code paths of a fleet), Mooncake in the other two
+    (they differ from light by the fleet's cache sizes and protocol only): 20 runs instead of 32."""
     traces = ("mooncake", "shared_prefix@16", "agentic", "chat")
     regimes = ("light", "pressure", "tiered", "pd")
-    assert set(cells) == {(t, g, r) for t in traces for g in regimes for r in ("kvaware", "round_robin")}
+    cells = _run_peers(tmp_path / "a", "mooncake,shared_prefix,agentic,chat", "light,pd")
+    cells.update(_run_peers(tmp_path / "b", "mooncake", "pressure,tiered"))
+    expected = {(t, g, r) for t in traces for g in ("light", "pd") for r in ("kvaware", "round_robin")}
+    expected |= {("mooncake", g, r) for g in ("pressure", "tiered") for r in ("kvaware", "round_robin")}
+    assert set(cells) == expected
     for cell in cells.values():
         med = cell["median"]
         assert med["answered"] == med["requests"] > 0 and med["errors"] == 0
@@ -190,5 +204,6 @@ def test_peers_bench_runs_every_cell_with_kvroute_routers(tmp_path: Path) -> Non
     light = cells[("mooncake", "light", "kvaware")]["median"]
     assert light["cached_token_ratio"] == pytest.approx(light["prefill_saved_ratio"])
     for regime in regimes:
-        assert (tmp_path / f"peers-{regime}.png").stat().st_size > 10_000
-    assert "| mooncake | kvaware |" in (tmp_path / "peers.md").read_text()
+        work = tmp_path / ("a" if regime in ("light", "pd") else "b")
+        assert (work / f"peers-{regime}.png").stat().st_size > 10_000
+    assert "| mooncake | kvaware |" in (tmp_path / "a" / "peers.md").read_text()

@@ -164,6 +164,21 @@ def test_pd_pool_decoders_take_prefills_only_when_the_prefill_workers_are_backed
     assert no_stall_cost.prefill == "d0"  # pure TTFT: the handoff is saved
 
 
+def test_pd_decode_legs_in_flight_are_running_decodes_not_prefills_ahead() -> None:
+    """A decoder holding all but 150 tokens of a prompt (under the split threshold) with 12 P/D decode legs
+    in flight from the router: those are decodes, so its own short prefill beats prefill + handoff on the
+    prefill worker. Counted as 12 prefills waiting (as they were), the plan went P/D every time."""
+    decoders = workers(1, role="decode", prefix="d", inflight=12, running=12)
+    ws = workers(1, role="prefill", prefix="p") + decoders
+    plan = kvaware(kv_protocol="nixl").choose(request(900, gpu("p0", 47), gpu("d0", 47)), ws)
+    assert (plan.prefill, plan.decode) == ("d0", "d0")
+    # The prefill side is not changed by it: a prefill worker's in-flight requests are prefills.
+    busy = workers(1, role="prefill", prefix="p", inflight=12) + workers(1, role="decode", prefix="d")
+    explained = kvaware(kv_protocol="nixl").explain(request(16000), busy)
+    on_p0 = next(c for c in explained.candidates if c.prefill == "p0")
+    assert on_p0.breakdown["queue_s"] > 0.1  # twelve prefills ahead
+
+
 def test_pd_pool_prefill_workers_serve_whole_requests_only_when_allowed() -> None:
     ws = workers(1, role="prefill", prefix="p") + workers(1, role="decode", prefix="d", running=8)
     held = request(16000, gpu("p0", 990))  # the prefill worker holds the prompt; the decoder is busy
