@@ -10,7 +10,7 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q -U pip
 
-$(STAMP): $(BIN)/python pyproject.toml setup.py indexer/_walk.pyx
+$(STAMP): $(BIN)/python pyproject.toml setup.py indexer/_walk.pyx sim/_pieces.pyx
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $(STAMP)
 

@@ -1,7 +1,8 @@
-"""Builds the one compiled module (the memory index's chain walk); everything else is in pyproject.toml.
+"""Builds the compiled modules (the memory index's chain walk, the built-in tokenizer); everything else is
+in pyproject.toml.
 
-The extension is optional: where it cannot be built, kvroute runs the same walk in Python
-(``kvroute.indexer.memory.WALK``) and says so at start-up.
+Both extensions are optional: where one cannot be built, kvroute runs the same code in Python
+(``kvroute.indexer.memory.WALK``, ``kvroute.sim.tokenizer.TOKENIZER``) and says so at start-up.
 """
 
 from Cython.Build import cythonize
@@ -9,7 +10,10 @@ from setuptools import Extension, setup
 
 setup(
     ext_modules=cythonize(
-        [Extension("kvroute.indexer._walk", ["indexer/_walk.pyx"], optional=True)],
+        [
+            Extension("kvroute.indexer._walk", ["indexer/_walk.pyx"], optional=True),
+            Extension("kvroute.sim._pieces", ["sim/_pieces.pyx"], optional=True),
+        ],
         compiler_directives={"language_level": "3"},
     )
 )

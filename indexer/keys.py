@@ -23,8 +23,8 @@ Agentic and chat prompts repeat the previous prompt and append to it. :class:`Ke
 key chains of recent prompts (per model, block size, LoRA and salt; bounded in bytes) so a prompt that
 shares a prefix with a recent one hashes only the blocks after it: the chain is a function of the
 tokens, so a chain continued from the cached prefix's last key is the from-scratch chain. Tokenizers
-that build ids incrementally hand them over as :class:`TokenIds`, which carry their packed bytes, so
-the key step does not repack 32k ints either. :class:`PrefixIndex` (the longest cached prefix of a
+hand ids over as :class:`TokenIds`, an ``array("I")`` that is already the bytes the chain hashes, so
+the key step does not pack 32k ints either. :class:`PrefixIndex` (the longest cached prefix of a
 ``str`` or ``bytes`` in a few dict reads) serves this cache and the router's tokenizer cache alike.
 """
 
@@ -34,7 +34,7 @@ import sys
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar, cast
 
 import msgspec
 import xxhash
@@ -86,56 +86,88 @@ def memo_budget(tokens: int) -> int:
     return 2 * KEY_BYTES * (tokens // 16 + 1)
 
 
-class TokenIds(list[int]):
-    """Token ids that carry their little-endian uint32 bytes (``packed``), built alongside the ids by a
-    tokenizer that reuses cached prefixes: packing 32k Python ints costs more than hashing them.
+if TYPE_CHECKING:
+    _IdArray = array[int]
+else:
+    _IdArray = array  # array is generic for type checkers only (subscriptable at run time from 3.12)
+
+
+class TokenIds(_IdArray):
+    """Token ids as one unsigned 32-bit array: the tokenizers' output on the request path.
+
+    Stored this way rather than as a list of Python ints because a long prompt's ids are the router's
+    largest per-request object: a list of 32k ints is walked by every garbage collection of its
+    generation (a pointer per id, each int's type read: ~100 µs per young collection, milliseconds
+    for the older ones while a tokenizer cache holds hundreds of them), copied with a reference count
+    per id, and packed again for hashing. An array is invisible to the collector, is copied and sliced
+    with ``memcpy``, and on a little-endian machine is already the bytes the keys hash
+    (:func:`token_view`). It compares equal to a list or tuple of the same ids.
 
     ``memo`` holds the key chains of exactly these ids (shared with the tokenizer's cache entry);
     ``base`` those of a cached sequence whose first ``shared`` ids are these ids' first ``shared``.
+    Treat it as read-only once handed out (the memo describes these ids)."""
 
-    Treat it as read-only: ``packed`` is not updated by list mutations (:func:`token_bytes` repacks when
-    the lengths disagree, and a same-length edit of a handed-out list is a caller's bug)."""
+    __slots__ = ("base", "memo", "shared")
 
-    __slots__ = ("base", "memo", "packed", "shared")
+    memo: KeyMemo | None
+    base: KeyMemo | None
+    shared: int
 
-    def __init__(
-        self,
-        ids: Iterable[int] = (),
-        packed: bytes | None = None,
-        memo: KeyMemo | None = None,
-        base: KeyMemo | None = None,
-        shared: int = 0,
-    ) -> None:
-        super().__init__(ids)
-        self.packed = packed
-        self.memo = memo
-        self.base = base
-        self.shared = shared
+    def __new__(
+        cls, ids: Iterable[int] = (), memo: KeyMemo | None = None, base: KeyMemo | None = None, shared: int = 0
+    ) -> TokenIds:
+        out = cast(TokenIds, super().__new__(cls, "I", ids))  # an array("I") initializer: memcpy
+        out.memo = memo
+        out.base = base
+        out.shared = shared
+        return out
 
     @classmethod
-    def cached(cls, ids: Iterable[int], packed: bytes, base: TokenIds | None = None, shared: int = 0) -> TokenIds:
+    def cached(cls, ids: Iterable[int], base: TokenIds | None = None, shared: int = 0) -> TokenIds:
         """Ids a tokenizer caches and hands out as they are: an empty key memo of their own, and ``base``'s
         (the cached ids whose first ``shared`` they share) for the key step to continue."""
-        out = cls(ids, packed, None, base.memo if base is not None else None, shared)
+        out = cls(ids, None, base.memo if base is not None else None, shared)
         out.memo = KeyMemo(memo_budget(len(out)))
         return out
 
+    @classmethod
+    def extended(cls, base: TokenIds, keep: int, tail: Iterable[int]) -> TokenIds:
+        """The first ``keep`` of ``base``'s ids, then ``tail``: cached, continuing ``base``'s key memo."""
+        out = cls.cached(base[:keep], base, keep)
+        out.extend(tail)
+        return out
 
-def pack_tokens(tokens: Sequence[int]) -> bytes:
-    """Little-endian uint32 bytes of ``tokens``, without the carried bytes of a :class:`TokenIds`."""
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, list | tuple):
+            return len(self) == len(other) and self.tolist() == list(other)
+        return super().__eq__(other)
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    __hash__ = None  # mutable, like list and array
+
+
+def pack_tokens(tokens: Iterable[int]) -> bytes:
+    """Little-endian uint32 bytes of ``tokens``."""
     packed = array("I", tokens)
     if not _LITTLE:
         packed.byteswap()
     return packed.tobytes()
 
 
-def token_bytes(tokens: Sequence[int]) -> bytes:
-    """Little-endian uint32 bytes of ``tokens`` (one conversion per event or request, not per block)."""
-    if type(tokens) is TokenIds:
-        packed = tokens.packed
-        if packed is not None and len(packed) == 4 * len(tokens):
-            return packed
+def token_view(tokens: Sequence[int]) -> bytes | memoryview:
+    """Little-endian uint32 bytes of ``tokens`` for hashing: an ``array("I")`` (so every :class:`TokenIds`)
+    is read in place on a little-endian machine; anything else is packed (once per event or request)."""
+    if _LITTLE and isinstance(tokens, array) and tokens.typecode == "I":
+        return memoryview(tokens).cast("B")
     return pack_tokens(tokens)
+
+
+def token_bytes(tokens: Sequence[int]) -> bytes:
+    """Little-endian uint32 bytes of ``tokens`` as ``bytes`` (a copy of :func:`token_view`'s)."""
+    view = token_view(tokens)
+    return view if isinstance(view, bytes) else view.tobytes()
 
 
 def extra_bytes(extra: Sequence[object] | None) -> bytes:
@@ -179,7 +211,7 @@ def chain_keys(
     if count == 0:
         return []
     size = count * block_size
-    return _chain(memoryview(token_bytes(tokens))[: size * 4], block_size, parent, extra_keys)
+    return _chain(memoryview(token_view(tokens))[: size * 4], block_size, parent, extra_keys)
 
 
 def _chain(
@@ -237,7 +269,7 @@ def lookahead_keys(chain: Sequence[int], tokens: Sequence[int], block_size: int,
     count = min(len(chain), max(0, len(tokens) - lookahead) // block_size)
     if count == 0:
         return []
-    data = token_bytes(tokens)
+    data = token_view(tokens)
     step, width = block_size * 4, lookahead * 4
     tag = LOOKAHEAD_TAG
     return [_hash(tag + data[(i + 1) * step : (i + 1) * step + width], chain[i] & _MASK) for i in range(count)]
@@ -433,7 +465,7 @@ class KeyChainCache:
         if self.max_bytes <= 0 or count == 0:
             return request_keys(tokens, block_size, model, lora_name=lora_name, cache_salt=cache_salt)
         step = block_size * 4
-        packed = token_bytes(tokens)
+        packed = token_view(tokens)
         ctx = (model, block_size, lora_name or None, cache_salt or None)
         memo = None
         if type(tokens) is TokenIds and tokens.memo is not None:
@@ -441,7 +473,7 @@ class KeyChainCache:
             keys = self._from_memo(tokens, memo, ctx, memoryview(packed)[: count * step])
             if keys is not None:
                 return list(keys)
-        data = packed if len(packed) == count * step else packed[: count * step]
+        data = bytes(packed[: count * step])  # the cache compares its sequences: bytes
         index = self._index.get(ctx)
         if index is None:
             # Marks every 1, 2, 4, ... blocks up to ~4k tokens, then every ~4k tokens (one xxh3 call each).

@@ -38,6 +38,7 @@ from kvroute.policies.base import RouteOutcome
 from kvroute.vocabulary import SOURCE_OF_TIER
 
 _NON_PREFILL_TERMS = ("lookup_s", "transfer_s", "promotion_s", "handoff_s", "decode_queue_s")
+_NO_TERMS = (0.0,) * len(_NON_PREFILL_TERMS)
 #: Predicted tokens of a tier (since the last update) below which its source factor is not updated.
 _MIN_SOURCE_TOKENS = 512
 
@@ -211,7 +212,7 @@ class Calibrator:
         ttft = outcome.ttft_s
         assert ttft is not None
         queue = bd.get("queue_s", 0.0)
-        other = sum(bd.get(k, 0.0) for k in _NON_PREFILL_TERMS)
+        other = sum(map(bd.get, _NON_PREFILL_TERMS, _NO_TERMS))  # bd.get(term, 0.0) for each, summed in order
         # Time the request itself kept the prefill worker busy (its queue wait and the fixed overhead
         # excluded).
         busy = max(ttft - queue - self.overhead_s(outcome.model), 1e-4)
@@ -249,8 +250,8 @@ class Calibrator:
     def _fit_overhead(self, model: str, x: float, y: float) -> None:
         keep = 1.0 - self.overhead_forget
         fit = self._fit.setdefault(model, [0.0] * 5)
-        for i, add in enumerate((1.0, x, y, x * x, x * y)):
-            fit[i] = fit[i] * keep + add
+        n, sx, sy, sxx, sxy = fit
+        fit[:] = (n * keep + 1.0, sx * keep + x, sy * keep + y, sxx * keep + x * x, sxy * keep + x * y)
 
     def _trim(self) -> None:
         horizon = self.now() - self.window_s

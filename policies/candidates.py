@@ -53,8 +53,12 @@ def usable_run(match: WorkerMatch | None, allow_storage: bool, allow_remote: boo
 
     REMOTE-only blocks are attributed to the slowest media first (they sit at the end of the run).
     """
-    if match is None:
-        return LocalRun()
+    return LocalRun() if match is None else LocalRun(*usable_blocks(match, allow_storage, allow_remote))
+
+
+def usable_blocks(match: WorkerMatch, allow_storage: bool, allow_remote: bool) -> tuple[int, int, int]:
+    """:func:`usable_run` as a plain ``(gpu, cpu, storage)`` tuple: the form the cost model reads once per
+    worker and request, spared the frozen dataclass."""
     gpu, cpu, storage = max(0, match.gpu), max(0, match.cpu), max(0, match.storage)
     if not allow_remote:
         cut = min(max(0, match.remote), gpu + cpu + storage)
@@ -63,7 +67,7 @@ def usable_run(match: WorkerMatch | None, allow_storage: bool, allow_remote: boo
         cpu -= min(cut - from_storage, cpu)
     if not allow_storage:
         storage = 0
-    return LocalRun(gpu, cpu, storage)
+    return gpu, cpu, storage
 
 
 @dataclass(slots=True)
@@ -153,23 +157,13 @@ def candidates(
     protocol = prm.kv_protocol
     # Separate prefill and decode need a transfer protocol; P2P decoders pull from the prefiller's port.
     split_pool = protocol != "none" and any(w.role != "both" for w in healthy)
-    decoders = [w for w in healthy if w.role == "decode"]
-    peers: list[WorkerTerms] = []
-    if ctx.allow_sources and prm.max_sources > 0:
-        peers = [lw for lw in ctx.locals.values() if lw.worker.p2p_host and lw.worker.p2p_port and lw.peer_tokens > 0]
-        peers.sort(key=lambda lw: (-lw.peer_tokens, lw.worker.load, lw.worker.id))
+    decoders = [w for w in healthy if w.role == "decode"] if split_pool else []
+    peers = _peers(ctx, prm)
     conv = conversation_source(ctx, prm)
-    reach = max([q.peer_tokens for q in peers[:1]] + [conv.peer_tokens if conv else 0])
-    per_token = ctx.scale / ctx.model.prefill_tokens_per_s
-    bounds = {
-        w.id: lw.queue_s + (ctx.prompt - max(lw.cached, reach)) * per_token
-        for w in healthy
-        for lw in (ctx.locals[w.id],)
-    }
     kth: list[float] = []  # the `limit` best scores so far, negated (a max-heap)
     out: list[Option] = []
-    for p in sorted(healthy, key=lambda w: bounds[w.id]):
-        if limit is not None and len(kth) >= limit and bounds[p.id] >= -kth[0]:
+    for bound, p in _visit_order(ctx, healthy, peers, conv):
+        if limit is not None and len(kth) >= limit and bound >= -kth[0]:
             break
         lp = ctx.locals[p.id]
         start = len(out)
@@ -177,8 +171,7 @@ def candidates(
             can_hand_off = split_pool and (protocol != "p2p" or (p.p2p_host and p.p2p_port))
             whole = p.can_decode or (split_pool and prm.pd_prefill_decodes)
             targets = ([p] if whole else []) + (decoders if can_hand_off else [])
-            sources = [q for q in peers if q.worker.id != p.id and q.peer_tokens > lp.cached]
-            sources = sources[: prm.max_sources]
+            sources = [q for q in peers if q.worker.id != p.id and q.peer_tokens > lp.cached][: prm.max_sources]
             for d in targets:
                 out.append(score(ctx, lp, d))
                 out.extend(score(ctx, lp, d, source=q) for q in sources)
@@ -199,6 +192,35 @@ def candidates(
                 elif o.rank < -kth[0]:
                     heapq.heapreplace(kth, -o.rank)
     return out
+
+
+def _peers(ctx: Context, prm: CostParams) -> list[WorkerTerms]:
+    """Workers that may serve cached blocks to a peer, holding the most first (none unless the pool and
+    the request's tier policy allow sources)."""
+    if not (ctx.allow_sources and prm.max_sources > 0):
+        return []
+    peers = [lw for lw in ctx.locals.values() if lw.worker.p2p_host and lw.worker.p2p_port and lw.peer_tokens > 0]
+    peers.sort(key=lambda lw: (-lw.peer_tokens, lw.worker.load, lw.worker.id))
+    return peers
+
+
+def _visit_order(
+    ctx: Context, healthy: list[WorkerView], peers: list[WorkerTerms], conv: WorkerTerms | None
+) -> list[tuple[float, WorkerView]]:
+    """``(lower bound of its plans' cost, worker)`` per worker, lowest bound first (ties: pool order)."""
+    reach = max(peers[0].peer_tokens if peers else 0, conv.peer_tokens if conv else 0)
+    per_token = ctx.scale / ctx.model.prefill_tokens_per_s
+    prompt, locals_ = ctx.prompt, ctx.locals
+    bounds = []
+    for w in healthy:
+        lw = locals_[w.id]
+        bounds.append((lw.queue_s + (prompt - max(lw.cached, reach)) * per_token, w))
+    bounds.sort(key=_first)
+    return bounds
+
+
+def _first(pair: tuple[float, WorkerView]) -> float:
+    return pair[0]
 
 
 def conversation_source(ctx: Context, prm: CostParams) -> WorkerTerms | None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from kvroute.indexer.backend import WorkerMatch
 from kvroute.policies.base import (
     CandidatePlan,
     ModelFigures,
@@ -39,12 +40,14 @@ from kvroute.policies.base import (
 )
 from kvroute.policies.calibration import Calibrator, Feedback
 from kvroute.policies.candidates import (
+    TERM_NAMES,
     Context,
     LocalRun,
     Option,
     WorkerTerms,
     candidates,
     materialise,
+    usable_blocks,
     usable_run,
 )
 from kvroute.policies.cost_params import CostParams
@@ -56,6 +59,10 @@ __all__ = ["KvAwarePolicy", "LocalRun", "usable_run"]
 
 #: How often ``choose`` hands the engines' per-source counters (scraped, so no fresher than that) to calibration.
 SOURCE_CHECK_INTERVAL_S = 1.0
+#: The tiers of a worker's own cached run, in the order a sequence's blocks sit in them (eviction takes the tail).
+_LOCAL_TIERS = ("GPU", "CPU", "STORAGE")
+#: Where an option's terms hold the tokens a peer serves.
+_REMOTE_TOKENS = TERM_NAMES.index("tokens_REMOTE")
 
 
 @register_policy
@@ -181,53 +188,19 @@ class KvAwarePolicy(Policy):
         # vLLM reuses whole blocks only, and never the one holding the last prompt token (it must compute
         # at least that one): (len - 1) // block_size blocks. A 256-token prompt in 32-token blocks: 224.
         cap = max(0, prompt - 1) // block * block
-        ratio = self.calibrator.hit_ratio
-        bpt = model.bytes_per_token
-        waits, still_there = self.queue.waits, self.queue.still_there
-        p_remote = still_there(None, "REMOTE", ratio)
+        odds = self.queue.tier_odds(self.calibrator.hit_ratio)  # the same for every worker
+        p_remote = self.queue.still_there_on(None, "REMOTE", odds["REMOTE"])
+        waits = self.queue.waits
         locals_: dict[str, WorkerTerms] = {}
         for w in healthy:
             match = request.matches.get(w.id)
             if match is None or match.blocks <= 0:  # the common case on a large pool: nothing cached
                 queue, kv_wait = waits(w, request, 0, dry_run)
-                locals_[w.id] = WorkerTerms(
-                    worker=w,
-                    tokens={},
-                    cached=0,
-                    expected=0.0,
-                    promotion_s=0.0,
-                    queue_s=queue,
-                    peer_tokens=0,
-                    peer_prob=p_remote,
-                    kv_wait_s=kv_wait,
+                locals_[w.id] = WorkerTerms(w, {}, 0, 0.0, 0.0, queue, 0, p_remote, kv_wait)
+            else:
+                locals_[w.id] = self._cached_terms(
+                    request, w, match, cap, odds, p_remote, usable_blocks(match, allow_storage, allow_remote), dry_run
                 )
-                continue
-            run = usable_run(match, allow_storage, allow_remote)
-            tokens: dict[str, int] = {}
-            left = cap
-            for tier, blocks in (("GPU", run.gpu), ("CPU", run.cpu), ("STORAGE", run.storage)):
-                take = min(left, blocks * block)
-                if take:
-                    tokens[tier] = take
-                    left -= take
-            exp = {t: n * still_there(w, t, ratio) for t, n in tokens.items()}
-            promotion = (
-                exp.get("CPU", 0.0) * bpt / prm.promotion_cpu_bytes_per_s
-                + exp.get("STORAGE", 0.0) * bpt / prm.promotion_storage_bytes_per_s
-            )
-            served = max(0, match.blocks - max(0, match.remote)) * block
-            queue, kv_wait = waits(w, request, tokens.get("GPU", 0), dry_run)
-            locals_[w.id] = WorkerTerms(
-                worker=w,
-                tokens=tokens,
-                cached=cap - left,
-                expected=sum(exp.values()),
-                promotion_s=promotion,
-                queue_s=queue,
-                peer_tokens=min(cap, served),
-                peer_prob=p_remote,
-                kv_wait_s=kv_wait,
-            )
         return Context(
             request=request,
             model=model,
@@ -237,6 +210,42 @@ class KvAwarePolicy(Policy):
             locals=locals_,
             best_local=max((lw.expected for lw in locals_.values()), default=0.0),
             allow_sources=p2p and self.tiers.allows_source(cls),
+        )
+
+    def _cached_terms(
+        self,
+        request: RouteRequest,
+        w: WorkerView,
+        match: WorkerMatch,
+        cap: int,
+        odds: dict[str, float],
+        p_remote: float,
+        run: tuple[int, int, int],
+        dry_run: bool,
+    ) -> WorkerTerms:
+        """The terms of a worker holding part of the prompt: its usable ``run`` of (GPU, CPU, STORAGE) blocks
+        filled in that order up to ``cap`` tokens, each tier weighed by the chance its hits are still there."""
+        prm = self.params
+        block = max(1, request.block_size)
+        still_there_on = self.queue.still_there_on
+        tokens: dict[str, int] = {}
+        exp: dict[str, float] = {}
+        left = cap
+        for tier, blocks in zip(_LOCAL_TIERS, run, strict=True):
+            take = min(left, blocks * block)
+            if take:
+                tokens[tier] = take
+                exp[tier] = take * still_there_on(w, tier, odds[tier])
+                left -= take
+        bpt = prm.model(request.model).bytes_per_token
+        promotion = (
+            exp.get("CPU", 0.0) * bpt / prm.promotion_cpu_bytes_per_s
+            + exp.get("STORAGE", 0.0) * bpt / prm.promotion_storage_bytes_per_s
+        )
+        served = max(0, match.blocks - max(0, match.remote)) * block
+        queue, kv_wait = self.queue.waits(w, request, tokens.get("GPU", 0), dry_run)
+        return WorkerTerms(
+            w, tokens, cap - left, sum(exp.values()), promotion, queue, min(cap, served), p_remote, kv_wait
         )
 
     # -- the cost of one candidate ------------------------------------------------------------------
@@ -326,7 +335,7 @@ class KvAwarePolicy(Policy):
         load_tiers: list[dict[str, str]] | None = None
         max_offload: int | None = None
         max_load: int | None = None
-        by_tier = _tier_tokens(best)
+        by_tier = _tier_tokens(ranked[0])
         if self.params.kv_protocol == "p2p":
             load_tiers, max_offload = self.tiers.apply(ctx.request, with_source=best.kv_source is not None)
             planned_loads = sum(n for tier, n in by_tier.items() if tier != "GPU")
@@ -349,8 +358,14 @@ class KvAwarePolicy(Policy):
         )
 
 
-def _tier_tokens(best: CandidatePlan) -> dict[str, int]:
-    return {k[len("tokens_") :]: int(v) for k, v in best.breakdown.items() if k.startswith("tokens_")}
+def _tier_tokens(best: Option) -> dict[str, int]:
+    """The plan's predicted cached tokens per tier: the ``tokens_*`` entries of its breakdown, in their order
+    (a peer's REMOTE tokens, then the prefill worker's own tiers), read off the option rather than parsed
+    back out of the shown breakdown."""
+    remote = int(best.terms[_REMOTE_TOKENS])
+    by_tier = {"REMOTE": remote} if remote else {}
+    by_tier.update(best.p.tokens)
+    return by_tier
 
 
 def _reason(ctx: Context, best: CandidatePlan, ranked: list[Option]) -> str:

@@ -66,7 +66,8 @@ class QueueModel:
 
     def finished(self, outcome: RouteOutcome) -> None:
         """The request's outcome came back: it leaves the replay, and its hold time is learnt."""
-        entry = self._pending.get(outcome.plan.prefill, OrderedDict()).pop(outcome.request_id, None)
+        pending = self._pending.get(outcome.plan.prefill)
+        entry = pending.pop(outcome.request_id, None) if pending is not None else None
         if entry is not None and outcome.ok:
             cal = self._calibrator
             held = max(0.0, cal.now() - entry[0])
@@ -165,7 +166,18 @@ class QueueModel:
         """Probability that a hit the index reports in ``tier`` is still there (``ratio``: the calibrated
         hit ratio, times the tier's factor from per-source ground truth); GPU hits fade as the worker's KV
         usage passes 90 % (eviction takes them first)."""
-        prob = self._still_there.get(tier, 1.0) * ratio * self._calibrator.source_factor(tier)
+        odds = self._still_there.get(tier, 1.0) * ratio * self._calibrator.source_factor(tier)
+        return self.still_there_on(worker, tier, odds)
+
+    def tier_odds(self, ratio: float) -> dict[str, float]:
+        """Per tier, :meth:`still_there` before the worker's KV pressure and the clamp: the part that is the
+        same for every worker, so a request computes it once rather than once per worker and tier."""
+        factor = self._calibrator.source_factor
+        return {tier: p * ratio * factor(tier) for tier, p in self._still_there.items()}
+
+    def still_there_on(self, worker: WorkerView | None, tier: str, odds: float) -> float:
+        """:meth:`still_there` from the tier's :meth:`tier_odds` entry."""
+        prob = odds
         if tier == "GPU" and worker is not None:
             pressure = max(0.0, min(1.0, (worker.kv_usage - 0.9) / 0.1))
             prob *= 1.0 - self._kv_pressure_decay * pressure

@@ -8,7 +8,7 @@ the page itself holds no data and calls them with the token the operator supplie
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
@@ -21,7 +21,7 @@ from kvroute.vocabulary import Tier
 from pydantic import BaseModel, Field, model_validator
 
 #: (model, prompt, messages) -> token ids, exactly as the engine will see them.
-Tokenize = Callable[[str, str | None, list[dict[str, Any]] | None], Awaitable[list[int]]]
+Tokenize = Callable[[str, str | None, list[dict[str, Any]] | None], Awaitable[Sequence[int]]]
 
 MAX_LOOKUP_TOKENS = 2_000_000
 
@@ -136,7 +136,7 @@ def index_admin_router(
         summary="Per-worker, per-tier match of a prompt (model + prompt | messages | token_ids)",
     )
     async def lookup(body: LookupBody) -> dict[str, Any]:
-        tokens = body.token_ids
+        tokens: Sequence[int] | None = body.token_ids
         model, lora_name = resolve(body.model, body.lora_name)
         if tokens is None:
             if tokenize is None:

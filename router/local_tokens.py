@@ -25,8 +25,8 @@ reuse above: the rendering of a conversation is the previous rendering plus more
 prompt, and the generation prompt's ``<|im_start|>``-style special is where the cut falls. Edits in the
 middle reuse at most the tokens before the edit; truncations re-encode from a cut before the end.
 
-Results are :class:`~kvroute.indexer.keys.TokenIds` carrying their packed bytes, so the key step does
-not repack them.
+Results are :class:`~kvroute.indexer.keys.TokenIds` (``array("I")``: the bytes the key step hashes,
+copied and spliced with ``memcpy``, invisible to the garbage collector).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvroute.indexer.keys import KeyMemo, PrefixIndex, TokenIds, memo_budget, pack_tokens
+from kvroute.indexer.keys import KeyMemo, PrefixIndex, TokenIds, memo_budget
 from kvroute.router.chat_prompt import ChatPrompt, TokenizeError, Unrenderable, prompt_of_fields
 from kvroute.router.chat_template import ChatTemplate, load_chat_templates
 
@@ -55,21 +55,18 @@ DEFAULT_CACHE_BYTES = 64 << 20
 
 
 class _Entry:
-    """One cached text's tokens: ids (a plain list: the fast thing to slice and copy), their character
-    starts and packed bytes, and the two forms handed out, each built once when first asked for: the ids
-    as they are (``raw``) and wrapped in the post-processor's specials (``wrapped``), :class:`TokenIds`
-    carrying their key memos. Callers treat token lists as read-only.
+    """One cached text's tokens: ids and their character starts (``array("I")`` both), and the two forms
+    handed out, each built once when first asked for: the ids as they are (``raw``) and wrapped in the
+    post-processor's specials (``wrapped``), :class:`TokenIds` carrying their key memos. Callers treat
+    token lists as read-only.
 
     ``bases``: when built from another entry, that entry's two key memos and how many ids they share."""
 
-    __slots__ = ("bases", "ids", "packed", "raw", "starts", "wrapped")
+    __slots__ = ("bases", "ids", "raw", "starts", "wrapped")
 
-    def __init__(
-        self, ids: list[int], starts: array[int], packed: bytes, bases: tuple[KeyMemo | None, KeyMemo | None, int]
-    ) -> None:
+    def __init__(self, ids: array[int], starts: array[int], bases: tuple[KeyMemo | None, KeyMemo | None, int]) -> None:
         self.ids = ids
         self.starts = starts
-        self.packed = packed
         self.bases = bases
         self.raw: TokenIds | None = None
         self.wrapped: TokenIds | None = None
@@ -79,11 +76,11 @@ class _Entry:
         return (self.raw.memo if self.raw else None, self.wrapped.memo if self.wrapped else None)
 
     def nbytes(self, text: str) -> int:
-        """Memory held, counted high: every id as its own int object (spliced lists share them), the two
-        handed-out lists, this entry's two key memos and the two of the entry it extended."""
+        """Memory held, counted high: the ids and starts, the two handed-out arrays, this entry's two key
+        memos and the two of the entry it extended."""
         n = len(self.ids)
         memos = 4 * memo_budget(n)
-        return sys.getsizeof(text) + (56 + 40 * n) + (64 + 4 * n) + (33 + 4 * n) + 2 * (56 + 8 * n) + 80 + memos
+        return sys.getsizeof(text) + 4 * (80 + 4 * n) + 80 + memos
 
 
 NO_BASE: tuple[KeyMemo | None, KeyMemo | None, int] = (None, None, 0)
@@ -149,8 +146,6 @@ class LocalTokenizer:
         self.boundaries = in_template or specials[:32]
         self._cache: PrefixIndex[str, _Entry] = PrefixIndex(cache_bytes, unit=1, first=64, step=16384)
         self._pre, self._post = self._special_wrap()
-        self._pre_packed = pack_tokens(self._pre or [])
-        self._post_packed = pack_tokens(self._post or [])
         self.counters = counters()
 
     @property
@@ -179,12 +174,12 @@ class LocalTokenizer:
         pre, post = wraps.pop()
         return list(pre), list(post)
 
-    def encode_raw(self, text: str) -> list[int]:
+    def encode_raw(self, text: str) -> Sequence[int]:
         """Tokens of ``text`` without added special tokens, reusing a cached prefix when possible."""
         entry = self._entry(text)
         if entry.raw is None:
             raw_base, _, shared = entry.bases
-            entry.raw = TokenIds.cached(entry.ids, entry.packed)
+            entry.raw = TokenIds.cached(entry.ids)
             entry.raw.base, entry.raw.shared = raw_base, shared
         return entry.raw
 
@@ -215,7 +210,7 @@ class LocalTokenizer:
     def _full(self, text: str) -> _Entry:
         self.counters["misses"] += 1
         ids, starts = self._encode(text)
-        return _Entry(ids, array("I", starts), pack_tokens(ids), NO_BASE)
+        return _Entry(array("I", ids), array("I", starts), NO_BASE)
 
     def _special_cut(self, base_text: str, base: _Entry, shared: int, start: int = 0) -> int | None:
         """Index of the last special token the cached text holds wholly inside ``[start, shared)``."""
@@ -266,7 +261,7 @@ class LocalTokenizer:
             if (
                 len(ids) > n
                 and tail_starts[n] == starts[i] - c0
-                and ids[:n] == base.ids[j:i]
+                and ids[:n] == base.ids[j:i].tolist()
                 and all(tail_starts[k] == starts[j + k] - c0 for k in range(n))
             ):
                 return self._splice(base, i, ids[n:], tail_starts[n:], c0)
@@ -283,12 +278,12 @@ class LocalTokenizer:
         self.counters["prefix_hits"] += 1
         self.counters["tokens_reused"] += keep
         out = base.ids[:keep]
-        out += ids
+        out.extend(ids)
         out_starts = base.starts[:keep]
         out_starts.extend(s + offset for s in starts)
-        return _Entry(out, out_starts, base.packed[: 4 * keep] + pack_tokens(ids), (*base.memos(), keep))
+        return _Entry(out, out_starts, (*base.memos(), keep))
 
-    def encode_prompt(self, prompt: str) -> list[int]:
+    def encode_prompt(self, prompt: str) -> Sequence[int]:
         """A completion prompt as vLLM encodes it (with the post-processor's special tokens)."""
         if not isinstance(prompt, str):
             raise TokenizeError("prompt must be a string")
@@ -299,9 +294,9 @@ class LocalTokenizer:
         entry = self._entry(prompt)
         if entry.wrapped is None:
             pre = self._pre
-            wrapped = TokenIds(pre, self._pre_packed + entry.packed + self._post_packed)
-            wrapped += entry.ids  # a plain list: copied at memcpy speed (a list subclass would be iterated)
-            wrapped += self._post
+            wrapped = TokenIds(pre)
+            wrapped.extend(entry.ids)  # memcpy: an array of the same type
+            wrapped.extend(self._post)
             wrapped.memo = KeyMemo(memo_budget(len(wrapped)))
             _, wrapped_base, shared = entry.bases
             if wrapped_base is not None:  # the entry it extends, wrapped alike: the same tokens ahead
@@ -313,7 +308,7 @@ class LocalTokenizer:
     def merges_inline_system(self) -> bool | None:
         return self.template.merges_inline_system if self.template is not None else None
 
-    def encode_chat_prompt(self, prompt: ChatPrompt) -> list[int]:
+    def encode_chat_prompt(self, prompt: ChatPrompt) -> Sequence[int]:
         """A chat request's tokens: rendered as vLLM renders it, encoded without special tokens (unless
         the request asks for them, ``add_special_tokens``)."""
         if self.template is None:
@@ -325,7 +320,10 @@ class LocalTokenizer:
             return self.encode_raw(text)
         if self._pre is None or self._post is None:
             return self.tokenizer.encode(text, add_special_tokens=True).ids
-        return [*self._pre, *self.encode_raw(text), *self._post]
+        out = TokenIds(self._pre)
+        out.extend(self.encode_raw(text))
+        out.extend(self._post)
+        return out
 
     def encode_chat(
         self,
@@ -334,14 +332,14 @@ class LocalTokenizer:
         add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
-    ) -> list[int]:
+    ) -> Sequence[int]:
         """A chat request with these fields (``tools`` as a client sends them)."""
         return self.encode_chat_prompt(prompt_of_fields(messages, add_generation_prompt, tools, chat_template_kwargs))
 
-    async def prompt_tokens(self, prompt: str) -> list[int]:
+    async def prompt_tokens(self, prompt: str) -> Sequence[int]:
         return self.encode_prompt(prompt)
 
-    async def chat_prompt_tokens(self, prompt: ChatPrompt) -> list[int]:
+    async def chat_prompt_tokens(self, prompt: ChatPrompt) -> Sequence[int]:
         return self.encode_chat_prompt(prompt)
 
     async def chat_tokens(
@@ -351,7 +349,7 @@ class LocalTokenizer:
         add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
-    ) -> list[int]:
+    ) -> Sequence[int]:
         return self.encode_chat(
             messages,
             add_generation_prompt=add_generation_prompt,

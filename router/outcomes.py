@@ -101,26 +101,28 @@ class Outcomes:
         reported: object,
         policy: Policy,
     ) -> None:
-        kv = self.kv
+        # Labelled children come from the metrics' cache: ``labels()`` validates and locks on every call,
+        # which made these counters most of the cost of recording an outcome.
+        child, kv = self.metrics.child, self.kv
         shape = "pd" if plan.disaggregated else "aggregated"
         if plan.kv_source:
             shape += "+p2p"
         if plan.reuse_conversation:
             shape += "+conversation"
-        kv.decisions.labels(plan.policy or policy.name, shape).inc()
+        child(kv.decisions, plan.policy or policy.name, shape).inc()
         if facts.keys is None or not result.ok:
             return
         model = request.model or ""
-        kv.predicted.labels(model).inc(plan.predicted_cached_tokens)
+        predicted = plan.predicted_cached_tokens
+        child(kv.predicted, model).inc(predicted)
         for tier, tokens in plan.predicted_by_tier.items():
-            kv.predicted_by_tier.labels(tier).inc(tokens)
-            kv.predicted_by_source.labels(SOURCE_OF_TIER.get(tier, "external_unspecified")).inc(tokens)
+            child(kv.predicted_by_tier, tier).inc(tokens)
+            child(kv.predicted_by_source, SOURCE_OF_TIER.get(tier, "external_unspecified")).inc(tokens)
         kv.bytes_moved.inc(int(plan.breakdown.get("bytes_moved", 0)))
         if isinstance(reported, int):
-            kv.checked.labels(model).inc()
-            kv.reported.labels(model).inc(reported)
-            predicted = plan.predicted_cached_tokens
+            child(kv.checked, model).inc()
+            child(kv.reported, model).inc(reported)
             outcome = "exact" if predicted == reported else "over" if predicted > reported else "under"
-            kv.fidelity.labels(surface_of(request, facts.lora), outcome).inc()
-            if plan.predicted_cached_tokens > reported + facts.route.block_size:
-                kv.stale.labels(model).inc()
+            child(kv.fidelity, surface_of(request, facts.lora), outcome).inc()
+            if predicted > reported + facts.route.block_size:
+                child(kv.stale, model).inc()

@@ -6,7 +6,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvroute.indexer.keys import PrefixIndex, TokenIds, memo_budget, pack_tokens, token_bytes
+from kvroute.indexer.keys import PrefixIndex, TokenIds, memo_budget
 from kvroute.router.chat_prompt import ChatPrompt, TokenizeError, conversation
 from kvroute.router.local_tokens import DEFAULT_CACHE_BYTES, counters
 
@@ -14,7 +14,8 @@ from kvroute.router.local_tokens import DEFAULT_CACHE_BYTES, counters
 class PluginTokenizer:
     """A tokenizer object named by import path (``python:package.module:Factory``) for engines whose
     tokenizer is not a ``tokenizer.json`` (a custom engine, the simulated workers). The factory builds an
-    object with ``encode(text)`` and ``encode_chat(messages, add_generation_prompt=True)``.
+    object with ``encode(text)`` and ``encode_chat(messages, add_generation_prompt=True)``, and optionally
+    ``encode_ids(text)``, the same ids as an ``array("I")`` (what the cache keeps: no conversion).
 
     When the object also says how a text's ids follow from a prefix's (``extend(prefix, prefix_count,
     text) -> (keep, tail_ids) | None``: the first ``keep`` ids of the prefix's, then ``tail_ids``), its
@@ -35,6 +36,8 @@ class PluginTokenizer:
         except (ImportError, AttributeError, ValueError) as exc:
             raise TokenizeError(f"cannot load tokenizer {spec!r}: {exc}") from None
         self.impl = factory()
+        #: ``encode_ids`` when the object has it (ids as an ``array("I")``: kept without conversion).
+        self._encode = getattr(self.impl, "encode_ids", None) or self.impl.encode
         self._extend = getattr(self.impl, "extend", None)
         self._render = getattr(self.impl, "render_chat", None) if self._extend is not None else None
         #: Cached ids are handed out as they are (callers treat token lists as read-only).
@@ -48,11 +51,11 @@ class PluginTokenizer:
         cache = self._cache
         return {**self.counters, "entries": len(cache), "bytes": cache.bytes, "max_bytes": cache.max_bytes}
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str) -> Sequence[int]:
         """Ids of ``text``, from the longest cached text it extends when the object can say how."""
         cache = self._cache
         if cache.max_bytes <= 0 or self._extend is None:
-            return list(self.impl.encode(text))
+            return TokenIds(self._encode(text))
         probe = cache.probe(text)
         hit = cache.get(text, probe)
         if hit is not None:
@@ -66,23 +69,20 @@ class PluginTokenizer:
             grown = self._extend(base_text, len(base), text)
         if grown is not None:
             keep, tail = grown
-            kept = base[:keep]  # slicing copies as fast as memcpy; TokenIds(a list subclass) would iterate
-            kept += tail
-            ids = TokenIds.cached(kept, token_bytes(base)[: 4 * keep] + pack_tokens(tail), base, keep)
+            ids = TokenIds.extended(base, keep, tail)
             self.counters["prefix_hits"] += 1
             self.counters["tokens_reused"] += keep
             self.counters["tokens_encoded"] += len(tail)
             cache.drop(ident)  # superseded: the new text extends it
         else:
-            fresh = list(self.impl.encode(text))
-            ids = TokenIds.cached(fresh, pack_tokens(fresh))
+            ids = TokenIds.cached(self._encode(text))
             self.counters["misses"] += 1
             self.counters["tokens_encoded"] += len(ids)
-        nbytes = sys.getsizeof(text) + 56 + 40 * len(ids) + 33 + 4 * len(ids) + 2 * memo_budget(len(ids))
+        nbytes = sys.getsizeof(text) + 80 + 4 * len(ids) + 2 * memo_budget(len(ids))  # its memo, the base's
         cache.put(text, ids, nbytes, probe)
         return ids
 
-    async def prompt_tokens(self, prompt: str) -> list[int]:
+    async def prompt_tokens(self, prompt: str) -> Sequence[int]:
         if not isinstance(prompt, str):
             raise TokenizeError("prompt must be a string")
         return self.encode(prompt)
@@ -92,7 +92,7 @@ class PluginTokenizer:
         """The object says (``merges_inline_system``); else its engine keeps them in place."""
         return bool(getattr(self.impl, "merges_inline_system", False))
 
-    async def chat_prompt_tokens(self, prompt: ChatPrompt) -> list[int]:
+    async def chat_prompt_tokens(self, prompt: ChatPrompt) -> Sequence[int]:
         """The object sees the conversation vLLM would build (text parts of any kind as one string, no
         ``None`` content) and ``add_generation_prompt``: what such engines render."""
         messages = conversation(prompt.messages, "string")
@@ -105,7 +105,7 @@ class PluginTokenizer:
         add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
-    ) -> list[int]:
+    ) -> Sequence[int]:
         try:
             if self._render is not None:
                 return self.encode(self._render(messages, add_generation_prompt))

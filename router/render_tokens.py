@@ -26,7 +26,7 @@ from typing import Any
 
 import httpx
 import orjson
-from kvroute.indexer.keys import TokenIds, pack_tokens
+from kvroute.indexer.keys import TokenIds
 from kvroute.logs import RateLimitedLog
 from kvroute.router.chat_prompt import ChatPrompt, TokenizeError, chat_schema_messages
 from kvroute.router.surfaces import CHAT, COMPLETIONS
@@ -136,8 +136,8 @@ class RenderTokenizer:
 
     @staticmethod
     def _size(key: bytes, ids: TokenIds) -> int:
-        """Bytes an entry holds, counted high (key, list, packed copy, one int object per id)."""
-        return sys.getsizeof(key) + 136 + 44 * len(ids)
+        """Bytes an entry holds (key, the ids' array and its header), counted high."""
+        return sys.getsizeof(key) + 136 + 4 * len(ids)
 
     def _remember(self, key: bytes, ids: TokenIds) -> None:
         size = self._size(key, ids)
@@ -149,7 +149,7 @@ class RenderTokenizer:
             old_key, old = self._cache.popitem(last=False)
             self._bytes -= self._size(old_key, old)
 
-    async def render_tokens(self, route: str, body: Mapping[str, Any]) -> list[int]:
+    async def render_tokens(self, route: str, body: Mapping[str, Any]) -> Sequence[int]:
         """The engine's token ids for a ``route`` request with ``body`` (a generation route's)."""
         # Exact bytes, key order included: a template's ``tojson`` of tools or messages renders it.
         payload = orjson.dumps(render_body(route, body, self.model))
@@ -158,7 +158,7 @@ class RenderTokenizer:
         if cached is not None:
             self._cache.move_to_end(key)
             self.counters["hits"] += 1
-            return TokenIds(cached, cached.packed)
+            return TokenIds(cached)  # a copy (memcpy): the caller's to keep
         self.counters["misses"] += 1
         urls = self._usable()
         if not urls:
@@ -178,9 +178,9 @@ class RenderTokenizer:
             except TokenizeError as exc:
                 problems.append(str(exc))
                 continue
-            tokens = TokenIds(ids, pack_tokens(ids))
+            tokens = TokenIds(ids)
             self._remember(key, tokens)
-            return TokenIds(tokens, tokens.packed)
+            return TokenIds(tokens)
         raise TokenizeError("; ".join(problems))
 
     def _bench(self, url: str, reason: str, detail: str) -> None:
@@ -221,12 +221,12 @@ class RenderTokenizer:
             raise TokenizeError(f"render at {url} answered {status}: {bytes(raw[:200])!r}")
         return token_ids_of(route, bytes(raw))
 
-    async def prompt_tokens(self, prompt: str) -> list[int]:
+    async def prompt_tokens(self, prompt: str) -> Sequence[int]:
         if not isinstance(prompt, str):
             raise TokenizeError("prompt must be a string")
         return await self.render_tokens(COMPLETIONS, {"prompt": prompt})
 
-    async def chat_prompt_tokens(self, prompt: ChatPrompt) -> list[int]:
+    async def chat_prompt_tokens(self, prompt: ChatPrompt) -> Sequence[int]:
         return await self.render_tokens(CHAT, chat_render_body(prompt, self.model))
 
     async def chat_tokens(
@@ -236,7 +236,7 @@ class RenderTokenizer:
         add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
-    ) -> list[int]:
+    ) -> Sequence[int]:
         body: dict[str, Any] = {"messages": list(messages), "add_generation_prompt": add_generation_prompt}
         if tools is not None:
             body["tools"] = list(tools)

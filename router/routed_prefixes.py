@@ -12,6 +12,11 @@ note whose request never answers expires after ``ttl_s``.
 
 Memory is bounded: a note keeps one key every ``stride`` blocks (block keys chain, so a key stands for the
 whole prefix before it) and at most ``max_notes`` notes live at once.
+
+Noting costs a few dict operations and one slice of the key list (its checkpoint keys); a note is only
+counted into the per-worker key sets when a lookup (:meth:`RoutedPrefixes.held`) could see it. Most notes
+never are: a request usually gets its first bytes back, and its note forgotten, before the next lookup
+of a request sharing its prefix, so they cost no per-key bookkeeping at all.
 """
 
 from __future__ import annotations
@@ -21,14 +26,16 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-#: One note: when it expires, where the prefix went, the model, and its checkpoint keys.
-Marker = tuple[str, str, int]  # (model, worker, key)
+#: Where a note's prefix went: (model, worker).
+Pair = tuple[str, str]
 
 
 @dataclass(slots=True, frozen=True)
 class _Note:
     expires: float
-    markers: tuple[Marker, ...]
+    pair: Pair
+    #: The prefix's checkpoint keys (see :meth:`RoutedPrefixes._checkpoint_keys`), never empty.
+    keys: tuple[int, ...]
 
 
 class RoutedPrefixes:
@@ -47,9 +54,12 @@ class RoutedPrefixes:
         self.stride = stride
         self.max_notes = max_notes
         self._now = now
+        #: Every live note, oldest first.
         self._notes: OrderedDict[str, _Note] = OrderedDict()
-        self._count: dict[Marker, int] = {}
-        self._workers: dict[tuple[str, str], int] = {}
+        #: Live notes not yet counted in ``_count`` (counted by the next :meth:`held`), oldest first.
+        self._uncounted: dict[str, _Note] = {}
+        #: Per (model, worker) with a counted note: checkpoint key -> how many counted notes hold it.
+        self._count: dict[Pair, dict[int, int]] = {}
 
     @property
     def enabled(self) -> bool:
@@ -58,12 +68,11 @@ class RoutedPrefixes:
     def __len__(self) -> int:
         return len(self._notes)
 
-    def _checkpoints(self, n: int) -> list[int]:
-        """Block positions a note keeps: every ``stride``-th block and the last one."""
-        points = list(range(self.stride - 1, n, self.stride))
-        if n and (not points or points[-1] != n - 1):
-            points.append(n - 1)
-        return points
+    def _checkpoint_keys(self, keys: Sequence[int]) -> tuple[int, ...]:
+        """The keys a note keeps: every ``stride``-th block's and the last one's (``keys`` not empty)."""
+        stride = self.stride
+        points = tuple(keys[stride - 1 :: stride])
+        return points if len(keys) % stride == 0 else (*points, keys[-1])
 
     def note(self, request_id: str, model: str, worker_id: str, keys: Sequence[int]) -> None:
         """``request_id`` went to ``worker_id``: its prefix counts as held there for ``ttl_s``."""
@@ -71,12 +80,9 @@ class RoutedPrefixes:
             return
         self._expire()
         self.forget(request_id)
-        markers = tuple((model, worker_id, keys[i]) for i in self._checkpoints(len(keys)))
-        self._notes[request_id] = _Note(self._now() + self.ttl_s, markers)
-        for marker in markers:
-            self._count[marker] = self._count.get(marker, 0) + 1
-        pair = (model, worker_id)
-        self._workers[pair] = self._workers.get(pair, 0) + 1
+        note = _Note(self._now() + self.ttl_s, (model, worker_id), self._checkpoint_keys(keys))
+        self._notes[request_id] = note
+        self._uncounted[request_id] = note
         while len(self._notes) > self.max_notes:
             self._drop(*self._notes.popitem(last=False))
 
@@ -91,20 +97,29 @@ class RoutedPrefixes:
         if not self._notes or not keys:
             return {}
         self._expire()
-        points = self._checkpoints(len(keys))
+        self._count_notes()
+        points = self._checkpoint_keys(keys)
         out: dict[str, int] = {}
-        for of_model, worker in list(self._workers):
+        for (of_model, worker), counts in self._count.items():
             if of_model != model:
                 continue
             # Markers chain: the longest run of routed checkpoints from the start is the routed prefix.
-            blocks = 0
-            for i in points:
-                if (model, worker, keys[i]) not in self._count:
+            run = 0
+            for key in points:
+                if key not in counts:
                     break
-                blocks = i + 1
-            if blocks:
-                out[worker] = blocks
+                run += 1
+            if run:  # the run's last checkpoint is block run x stride, or the prompt's last block
+                out[worker] = min(run * self.stride, len(keys))
         return out
+
+    def _count_notes(self) -> None:
+        """Count the notes made since the last lookup into their worker's key set."""
+        for note in self._uncounted.values():
+            counts = self._count.setdefault(note.pair, {})
+            for key in note.keys:
+                counts[key] = counts.get(key, 0) + 1
+        self._uncounted.clear()
 
     def _expire(self) -> None:
         now = self._now()
@@ -116,16 +131,15 @@ class RoutedPrefixes:
             self._drop(request_id, note)
 
     def _drop(self, request_id: str, note: _Note) -> None:
-        for marker in note.markers:
-            left = self._count.get(marker, 0) - 1
+        """``note`` (of ``request_id``) is gone: uncount it, unless it never was counted."""
+        if self._uncounted.pop(request_id, None) is not None:
+            return
+        counts = self._count[note.pair]
+        for key in note.keys:
+            left = counts[key] - 1
             if left > 0:
-                self._count[marker] = left
+                counts[key] = left
             else:
-                self._count.pop(marker, None)
-        if note.markers:
-            model, worker, _ = note.markers[0]
-            left = self._workers.get((model, worker), 0) - 1
-            if left > 0:
-                self._workers[(model, worker)] = left
-            else:
-                self._workers.pop((model, worker), None)
+                del counts[key]
+        if not counts:
+            del self._count[note.pair]

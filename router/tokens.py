@@ -56,9 +56,9 @@ class TokenSource(Protocol):
     @property
     def merges_inline_system(self) -> bool | None: ...
 
-    async def prompt_tokens(self, prompt: str) -> list[int]: ...
+    async def prompt_tokens(self, prompt: str) -> Sequence[int]: ...
 
-    async def chat_prompt_tokens(self, prompt: ChatPrompt) -> list[int]: ...
+    async def chat_prompt_tokens(self, prompt: ChatPrompt) -> Sequence[int]: ...
 
     async def chat_tokens(
         self,
@@ -67,7 +67,7 @@ class TokenSource(Protocol):
         add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
-    ) -> list[int]: ...
+    ) -> Sequence[int]: ...
 
 
 class RemoteTokenizer:
@@ -135,7 +135,7 @@ class RemoteTokenizer:
             raise TokenizeError(f"tokenize at {url} answered a malformed token list")
         return tokens
 
-    async def prompt_tokens(self, prompt: str) -> list[int]:
+    async def prompt_tokens(self, prompt: str) -> Sequence[int]:
         if not isinstance(prompt, str):
             raise TokenizeError("prompt must be a string")
         return await self._tokenize({"model": self.model, "prompt": prompt})
@@ -143,7 +143,7 @@ class RemoteTokenizer:
     #: The worker's template is not known here.
     merges_inline_system: bool | None = None
 
-    async def chat_prompt_tokens(self, prompt: ChatPrompt) -> list[int]:
+    async def chat_prompt_tokens(self, prompt: ChatPrompt) -> Sequence[int]:
         """``/tokenize`` renders chat like a chat completion; what it has no field for (``documents``,
         ``reasoning_effort``) reaches the template through ``chat_template_kwargs``, merged as vLLM would."""
         payload: dict[str, Any] = {
@@ -173,7 +173,7 @@ class RemoteTokenizer:
         add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
-    ) -> list[int]:
+    ) -> Sequence[int]:
         return await self.chat_prompt_tokens(
             prompt_of_fields(messages, add_generation_prompt, tools, chat_template_kwargs)
         )
@@ -264,7 +264,7 @@ class Tokenizers:
 
     async def tokens_for_request(
         self, model: str, route: str, body: Mapping[str, Any], prompt: SurfacePrompt | None = None
-    ) -> list[int]:
+    ) -> Sequence[int]:
         """The prompt tokens of a generation request on ``route`` (its body, as forwarded, and what
         :func:`~kvroute.router.surfaces.read_prompt` read from it). Raises :class:`TokenizeError` (an
         :class:`Unrenderable` when this source cannot be exact)."""
@@ -290,14 +290,14 @@ class Tokenizers:
                 chat = merged_prompt(body)
         return await src.chat_prompt_tokens(chat)
 
-    async def tokens_for_body(self, model: str, body: Mapping[str, Any]) -> list[int]:
+    async def tokens_for_body(self, model: str, body: Mapping[str, Any]) -> Sequence[int]:
         """The prompt tokens of an OpenAI request body (``messages`` for chat, ``prompt`` for completions)."""
         try:
             return await self.tokens_for_request(model, CHAT if "messages" in body else COMPLETIONS, body)
         except ApiError as exc:
             raise TokenizeError(exc.message) from None
 
-    async def tokenize(self, model: str, prompt: str | None, messages: list[dict[str, Any]] | None) -> list[int]:
+    async def tokenize(self, model: str, prompt: str | None, messages: list[dict[str, Any]] | None) -> Sequence[int]:
         """The admin lookup's form: a prompt or messages, tokenized as a request with them would be."""
         body: dict[str, Any] = {"messages": messages} if messages is not None else {"prompt": prompt}
         return await self.tokens_for_body(model, body)

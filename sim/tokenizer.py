@@ -9,25 +9,42 @@ optional, for runs that must count tokens like a given model.
 from __future__ import annotations
 
 import json
+from array import array
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
-
-import xxhash
 
 #: Ids 0..255 are reserved (specials); pieces hash into the rest of a Llama-3-sized vocabulary.
 VOCAB_SIZE = 128_256
 RESERVED_IDS = 256
 BOS_ID = 1
+_SPAN = VOCAB_SIZE - RESERVED_IDS
+_FNV_OFFSET = 0xCBF29CE484222325
+_FNV_PRIME = 0x100000001B3
+_MASK = (1 << 64) - 1
+#: Every code point above U+3000 fails ``str.isspace`` (a test checks the whole range).
+WIDEST_SPACE = 0x3000
 
 
 def piece_id(piece: str) -> int:
-    """Stable id of one whitespace-delimited piece (the same in every process, unlike ``hash``)."""
-    return RESERVED_IDS + xxhash.xxh3_64_intdigest(piece.encode()) % (VOCAB_SIZE - RESERVED_IDS)
+    """Stable id of one whitespace-delimited piece (the same in every process, unlike ``hash``): FNV-1a
+    over its UTF-8 bytes, which the compiled tokenizer computes in the same pass that finds the pieces,
+    then MurmurHash3's finaliser (FNV's high bits alone are poorly mixed) and the top 32 bits scaled to
+    the span (no division)."""
+    h = _FNV_OFFSET
+    for byte in piece.encode():
+        h = ((h ^ byte) * _FNV_PRIME) & _MASK
+    h ^= h >> 33
+    h = (h * 0xFF51AFD7ED558CCD) & _MASK
+    h ^= h >> 33
+    h = (h * 0xC4CEB9FE1A85EC53) & _MASK
+    h ^= h >> 33
+    return RESERVED_IDS + ((h >> 32) * _SPAN >> 32)
 
 
 class _PieceCache(dict[str, int]):
-    """piece -> id memo; ``map(cache.__getitem__, ...)`` stays in C for known pieces (hot path)."""
+    """piece -> id memo for the Python tokenizer; ``map(cache.__getitem__, ...)`` stays in C for known
+    pieces."""
 
     limit = 1 << 20
 
@@ -41,9 +58,31 @@ class _PieceCache(dict[str, int]):
 _PIECES = _PieceCache()
 
 
+def piece_ids_python(text: str) -> array[int]:
+    """The reference tokenizer (and the fallback where the compiled one was not built)."""
+    return array("I", map(_PIECES.__getitem__, text.split()))
+
+
+try:
+    from kvroute.sim import _pieces
+except ImportError:  # pragma: no cover - the extension is built by `pip install .`
+    token_array = piece_ids_python
+    TOKENIZER = "python"
+else:
+    _pieces.set_whitespace(
+        [c for c in range(128) if chr(c).isspace()], [c for c in range(128, WIDEST_SPACE + 1) if chr(c).isspace()]
+    )
+
+    def token_array(text: str) -> array[int]:
+        """Built-in tokenization as ``array("I")`` (what the router's tokenizer cache keeps)."""
+        return _pieces.piece_ids(text, RESERVED_IDS, _SPAN)
+
+    TOKENIZER = "compiled"
+
+
 def tokenize(text: str) -> list[int]:
     """Built-in tokenization: one id per whitespace-delimited piece."""
-    return list(map(_PIECES.__getitem__, text.split()))
+    return token_array(text).tolist()
 
 
 def _content_text(content: object) -> str:
@@ -95,7 +134,7 @@ class Tokenizer(Protocol):
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]: ...
 
 
-def extend_ids(prefix: str, prefix_count: int, text: str) -> tuple[int, list[int]] | None:
+def extend_ids(prefix: str, prefix_count: int, text: str) -> tuple[int, array[int]] | None:
     """How :func:`tokenize` of ``text`` follows from its ``prefix``'s ``prefix_count`` ids: keep the first
     ``keep`` of them, then ``tail`` (None when ``text`` does not start with ``prefix``). Pieces are
     whitespace-delimited (``str.split``), so only the prefix's last piece can change, and only when
@@ -104,11 +143,11 @@ def extend_ids(prefix: str, prefix_count: int, text: str) -> tuple[int, list[int
         return None
     rest = text[len(prefix) :]
     if not prefix or not rest or prefix[-1].isspace() or rest[0].isspace():
-        return prefix_count, tokenize(rest)
+        return prefix_count, token_array(rest)
     start = len(prefix)
     while start > 0 and not prefix[start - 1].isspace():
         start -= 1
-    return prefix_count - 1, tokenize(text[start:])
+    return prefix_count - 1, token_array(text[start:])
 
 
 class BuiltinTokenizer:
@@ -120,7 +159,11 @@ class BuiltinTokenizer:
     def encode(self, text: str) -> list[int]:
         return tokenize(text)
 
-    def extend(self, prefix: str, prefix_count: int, text: str) -> tuple[int, list[int]] | None:
+    def encode_ids(self, text: str) -> array[int]:
+        """:meth:`encode` as ``array("I")``: the router's tokenizer keeps ids that way."""
+        return token_array(text)
+
+    def extend(self, prefix: str, prefix_count: int, text: str) -> tuple[int, array[int]] | None:
         return extend_ids(prefix, prefix_count, text)
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:

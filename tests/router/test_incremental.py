@@ -7,12 +7,13 @@ then through the key-chain cache; and neither cache ever holds more than its con
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kvroute.indexer.keys import KeyChainCache, TokenIds, pack_tokens, request_keys
+from kvroute.indexer.keys import KeyChainCache, TokenIds, pack_tokens, request_keys, token_bytes
 from kvroute.router.tokens import LocalTokenizer, PluginTokenizer
 from kvroute.sim.tokenizer import encode_chat, tokenize
 
@@ -81,7 +82,7 @@ def test_local_prompts_equal_full_encodes(model_folder: Path, start: str, steps:
         text = apply(text, step)
         got = tok.encode_prompt(text)
         assert got == scratch_prompt(tok, text)
-        assert isinstance(got, TokenIds) and got.packed == pack_tokens(got)
+        assert isinstance(got, TokenIds) and token_bytes(got) == pack_tokens(got.tolist())
         assert tok.encode_raw(text) == tok.tokenizer.encode(text, add_special_tokens=False).ids
 
 
@@ -148,7 +149,7 @@ def test_sim_builtin_prompts_equal_full_tokenizations(start: str, steps: list[tu
         text = apply(text, step)
         got = tok.encode(text)
         assert got == tokenize(text)
-        assert isinstance(got, TokenIds) and got.packed == pack_tokens(got)
+        assert isinstance(got, TokenIds) and token_bytes(got) == pack_tokens(got.tolist())
 
 
 async def test_sim_builtin_chat_grows_incrementally() -> None:
@@ -176,7 +177,7 @@ async def test_sim_builtin_chat_grows_incrementally() -> None:
     salt=st.sampled_from([None, "tenant"]),
     lora=st.sampled_from([None, "adapter"]),
     max_bytes=st.sampled_from([0, 4_000, 40_000, 1 << 20]),
-    packed=st.booleans(),
+    as_array=st.booleans(),
 )
 def test_incremental_keys_equal_from_scratch(
     start: list[int],
@@ -185,7 +186,7 @@ def test_incremental_keys_equal_from_scratch(
     salt: str | None,
     lora: str | None,
     max_bytes: int,
-    packed: bool,
+    as_array: bool,
 ) -> None:
     cache = KeyChainCache(max_bytes)
     tokens = list(start)
@@ -197,7 +198,7 @@ def test_incremental_keys_equal_from_scratch(
             tokens = tokens[:i] + piece + tokens[i + 1 :]
         elif kind == "truncate":
             tokens = tokens[:i]
-        given_tokens = TokenIds(tokens, pack_tokens(tokens)) if packed else tokens
+        given_tokens = TokenIds(tokens) if as_array else tokens
         got = cache.keys(given_tokens, block, "m", lora_name=lora, cache_salt=salt)
         assert got == request_keys(tokens, block, "m", lora_name=lora, cache_salt=salt)
         # Another context never borrows this one's chain.
@@ -218,10 +219,15 @@ def test_key_cache_hashes_only_new_blocks() -> None:
     assert stats["entries"] == 1  # the prefix's entry was superseded
 
 
-def test_a_stale_packed_buffer_is_not_trusted() -> None:
-    tokens = TokenIds([1, 2, 3, 4], pack_tokens([1, 2, 3, 4]))
-    tokens.append(5)  # a mutation the carried bytes do not follow: the length check repacks
+def test_token_ids_are_their_own_bytes_and_hold_no_int_objects() -> None:
+    tokens = TokenIds([1, 2, 3, 4])
+    tokens.append(5)  # the array is the bytes the keys hash: nothing can go stale
     assert KeyChainCache().keys(tokens, 1, "m") == request_keys([1, 2, 3, 4, 5], 1, "m")
+    assert tokens == [1, 2, 3, 4, 5] and tokens == (1, 2, 3, 4, 5) and tokens != [1, 2, 3, 4]
+    big = TokenIds(range(300, 30_300))
+    # What the garbage collector visits: the type and the slots, never one object per id.
+    assert len(gc.get_referents(big)) <= 4
+    assert TokenIds.extended(big, 10, [7, 8]) == [*range(300, 310), 7, 8]
 
 
 @SETTINGS

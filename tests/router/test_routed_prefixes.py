@@ -74,3 +74,23 @@ def test_zero_ttl_disables_and_bad_settings_are_refused() -> None:
     assert routed.held("m", chain(8)) == {}
     with pytest.raises(ValueError):
         RoutedPrefixes(stride=0)
+
+
+def test_notes_counted_by_a_lookup_or_not_yet_are_forgotten_alike() -> None:
+    """A note is counted into its worker's keys only by the next lookup: forgetting, re-noting and evicting
+    must treat counted and uncounted notes alike."""
+    routed = RoutedPrefixes(ttl_s=5, stride=4, max_notes=2, now=Clock())
+    keys = chain(12)
+    routed.note("r1", "m", "w0", keys)
+    assert routed.held("m", keys) == {"w0": 12}  # r1 counted
+    routed.note("r1", "m", "w1", keys[:8])  # the same request re-noted elsewhere, not yet counted
+    routed.note("r2", "m", "w2", keys)
+    assert routed.held("m", keys) == {"w1": 8, "w2": 12}
+    routed.forget("r2")
+    routed.note("r3", "m", "w2", keys[:4])
+    routed.note("r4", "m", "w0", keys)  # evicts r1, counted; r3 and r4 are not yet
+    assert len(routed) == 2
+    assert routed.held("m", keys) == {"w2": 4, "w0": 12}
+    routed.forget("r3")
+    routed.forget("r4")
+    assert routed.held("m", keys) == {} and len(routed) == 0

@@ -142,7 +142,7 @@ def tokenize_app(tok: LocalTokenizer, calls: list[dict[str, object]]) -> FastAPI
             ids = tok.encode_chat(body["messages"], add_generation_prompt=gen)
         else:
             ids = tok.encode_prompt(body["prompt"])
-        return {"tokens": ids, "count": len(ids), "max_model_len": 4096}
+        return {"tokens": list(ids), "count": len(ids), "max_model_len": 4096}
 
     return app
 
