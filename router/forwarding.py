@@ -21,6 +21,7 @@ import anyio
 import orjson
 from kvroute.logs import RateLimitedLog
 from kvroute.router.errors import error_body
+from kvroute.router.http_body import ClientGone, until_disconnect
 from kvroute.router.metrics import RouterMetrics
 from kvroute.router.registry import WorkerRegistry
 from kvroute.router.requests import HOP_BY_HOP
@@ -88,6 +89,16 @@ class RawStreamingResponse(StreamingResponse):
         self.status_code = status
         self.background = None
         self.raw_headers = raw_headers
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Stream until the end or until the client hangs up; then the iterator's own ``finally`` closes
+        the upstream (which aborts the worker's generation). Under ASGI 2.3 (uvicorn) Starlette would run
+        an anyio task group per response for the same watch; one plain watcher task costs less on the
+        path to the first token."""
+        try:
+            await until_disconnect(receive, self.stream_response(send))
+        except ClientGone:
+            log.debug("client left during a stream; upstream closed")
 
 
 class UsageSniffer:

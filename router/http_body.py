@@ -8,6 +8,7 @@ from typing import TypeVar
 
 from kvroute.router.errors import ApiError, bad_request
 from starlette.requests import Request
+from starlette.types import Receive
 
 T = TypeVar("T")
 
@@ -53,13 +54,13 @@ def _too_large(limit: int) -> ApiError:
     return ApiError(413, f"request body is larger than the limit of {limit} bytes", "request_too_large")
 
 
-async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Await ``work`` but cancel it when the client hangs up (after the body was read, receive() only
-    returns on disconnect). One watcher task; the work itself runs in the current task."""
+async def until_disconnect(receive: Receive, work: Awaitable[T]) -> T:
+    """Await ``work`` but cancel it when the client hangs up (``receive``: the request's, after its body
+    was read, so it only returns on disconnect). One watcher task; the work itself runs in the current
+    task. Raises :class:`ClientGone` when the client left."""
     current = asyncio.current_task()
     assert current is not None
     gone = False
-    receive = request.receive
 
     async def watch() -> None:
         nonlocal gone
