@@ -19,6 +19,8 @@ Scenarios, from an aiohttp client in this process (``loadgen.py``):
 
 - ``small cN``: ``--requests`` tiny non-streaming ``/v1/completions`` (``max_tokens`` 1) from N closed-loop
   clients (after 200 sequential warm-up requests): latency of the whole request, requests/s.
+- ``cached Nk``: one streaming chat request of N tokens sent ``--steps`` times in a row after one untimed
+  cold request: every one a full prefix hit (a shared system prompt, a retried turn); latency = TTFT.
 - ``grow Nk``: an agent's loop: a system prompt of N tokens of deterministic words, then ``--steps``
   sequential streaming chat requests (``stream_options.include_usage``), each the previous prompt plus
   an answer and a new tool output of ``--step-tokens``: latency = time to the first token (TTFT). Each
@@ -66,7 +68,8 @@ DIRECT = "direct"
 @dataclass(frozen=True, slots=True)
 class Scenario:
     name: str
-    #: "small" (closed-loop completions) or "grow" (an agent's growing prompt, sequential, streamed).
+    #: "small" (closed-loop completions), "grow" (an agent's growing prompt, sequential, streamed) or
+    #: "cached" (one prompt again and again, sequential, streamed: a fully cached prefix).
     kind: str
     concurrency: int = 1
     prefix_tokens: int = 0
@@ -76,6 +79,8 @@ def scenarios(args: argparse.Namespace) -> list[Scenario]:
     out = [Scenario(f"small c{c}", "small", concurrency=c) for c in args.concurrency]
     for n in args.prefix_tokens:
         out.append(Scenario(f"grow {n // 1024}k" if n % 1024 == 0 else f"grow {n}", "grow", prefix_tokens=n))
+    for n in args.cached_tokens:
+        out.append(Scenario(f"cached {n // 1024}k" if n % 1024 == 0 else f"cached {n}", "cached", prefix_tokens=n))
     return out
 
 
@@ -97,6 +102,16 @@ def growing_bodies(model: str, key: str, prefix_tokens: int, steps: int, step_to
         bodies.append(orjson.dumps({**body, "stream_options": {"include_usage": True}}))
         messages.append({"role": "assistant", "content": workloads.words(f"{key}/answer{k}", answer)})
     return bodies
+
+
+def repeated_bodies(model: str, key: str, tokens: int, steps: int, answer: int) -> list[bytes]:
+    """``steps + 1`` times the same chat request of ``tokens`` words (the first one the cold warm-up)."""
+    messages = [
+        {"role": "system", "content": workloads.words(f"{key}/system", max(1, tokens - 32))},
+        {"role": "user", "content": workloads.words(f"{key}/question", 32)},
+    ]
+    body = {"model": model, "messages": messages, "max_tokens": answer, "stream": True}
+    return [orjson.dumps({**body, "stream_options": {"include_usage": True}})] * (steps + 1)
 
 
 async def grow(base: str, bodies: list[bytes]) -> tuple[Stats, dict[str, Any]]:
@@ -131,7 +146,10 @@ def measure(base: str, scenario: Scenario, model: str, key: str, args: argparse.
             closed_loop(base + "/v1/completions", small_body(model), args.requests, scenario.concurrency)
         )
         return asdict(stats)
-    bodies = growing_bodies(model, key, scenario.prefix_tokens, args.steps, args.step_tokens, args.max_tokens)
+    if scenario.kind == "cached":
+        bodies = repeated_bodies(model, key, scenario.prefix_tokens, args.steps, args.max_tokens)
+    else:
+        bodies = growing_bodies(model, key, scenario.prefix_tokens, args.steps, args.step_tokens, args.max_tokens)
     stats, extra = asyncio.run(grow(base, bodies))
     return {**asdict(stats), **extra}
 
@@ -198,7 +216,7 @@ def profile_router(
     if not raw.exists():
         return f"py-spy wrote nothing: {err.decode(errors='replace')[-500:]}"
     total, busy, top, ours = top_frames(raw.read_text())
-    what = f"{args.steps} growing requests" if scenario.kind == "grow" else f"{args.requests} requests"
+    what = f"{args.steps} {scenario.kind} requests" if scenario.kind != "small" else f"{args.requests} requests"
     lines = [
         f"py-spy (500 Hz) of `kvroute serve --policy {target}`, {scenario.name}: {args.profile_rounds} x {what} "
         f"(p50 {statistics.median(r['p50_ms'] for r in rows):.2f} ms under the profiler); {total} samples, "
@@ -354,7 +372,7 @@ def chart(cells: list[dict[str, Any]], path: Path, title: str) -> Path | None:
         ax.set_xticks(range(len(scens)), scens, rotation=15)
         ax.axhline(0, color="black", linewidth=0.6)
         ax.set_ylabel(f"{label} over direct (ms)")
-        ax.set_title(f"{label} (lower is better; grow: TTFT)")
+        ax.set_title(f"{label} (lower is better; grow, cached: TTFT)")
     small = [s for s in scens if s.startswith("small")]
     width = 0.8 / len(names)
     for j, name in enumerate(names):
@@ -382,7 +400,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--requests", type=int, help="small requests per cell (default 3000; --quick 100)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 32], help="clients of the small cases")
     ap.add_argument("--prefix-tokens", type=int, nargs="+", help="growing cases' prefixes (default 8192 32768)")
-    ap.add_argument("--steps", type=int, help="timed requests per growing case (default 30; --quick 3)")
+    ap.add_argument(
+        "--cached-tokens", type=int, nargs="*", help="cached cases' prompt sizes (default 1024; none: skip them)"
+    )
+    ap.add_argument("--steps", type=int, help="timed requests per growing or cached case (default 30; --quick 3)")
     ap.add_argument("--step-tokens", type=int, default=256, help="tool output added per step")
     ap.add_argument("--max-tokens", type=int, default=8, help="answer tokens of the growing requests")
     ap.add_argument("--workers", type=int, default=2)
@@ -409,12 +430,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.repeats = args.repeats or (1 if args.quick else 3)
     args.requests = args.requests or (100 if args.quick else 3000)
     args.prefix_tokens = args.prefix_tokens or ([1024, 4096] if args.quick else [8192, 32768])
+    args.cached_tokens = [1024] if args.cached_tokens is None else args.cached_tokens
     args.steps = args.steps or (3 if args.quick else 30)
     if args.quick:
         args.step_tokens = min(args.step_tokens, 64)
     known = [s.name for s in scenarios(args)]
     if args.profile is not None:
-        args.profile = args.profile or [known[-1]]
+        args.profile = args.profile or [[n for n in known if n.startswith("grow")][-1]]
         for name in args.profile:
             if name not in known:
                 raise SystemExit(f"unknown scenario {name!r} to profile; known: {', '.join(known)}")
@@ -486,7 +508,7 @@ def main(argv: list[str] | None = None) -> int:
     data = {**meta, "runs": runs, "cells": cells, "targets": found, "profiles": profiles}
     out_json.write_text(json.dumps(data, indent=1, default=str))
     md = [f"# Router overhead vs direct: {setting}", ""]
-    md += [f"Medians over {args.repeats} round(s); small: whole request; grow: TTFT of each step.", ""]
+    md += [f"Medians over {args.repeats} round(s); small: whole request; grow, cached: TTFT of each step.", ""]
     md += [markdown(cells), "", *verdict_lines(found)]
     md += [f"- {r['target']} did not start: {r['failed'][:200]}" for r in failed]
     png = chart(cells, work / "peers_overhead.png", f"what each router adds over direct: {setting}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Protocol
 
 from kvroute.indexer.backend import WorkerMatch
@@ -215,12 +216,8 @@ def _visit_order(
     for w in healthy:
         lw = locals_[w.id]
         bounds.append((lw.queue_s + (prompt - max(lw.cached, reach)) * per_token, w))
-    bounds.sort(key=_first)
+    bounds.sort(key=itemgetter(0))
     return bounds
-
-
-def _first(pair: tuple[float, WorkerView]) -> float:
-    return pair[0]
 
 
 def conversation_source(ctx: Context, prm: CostParams) -> WorkerTerms | None:

@@ -196,7 +196,17 @@ class KvAwarePolicy(Policy):
             match = request.matches.get(w.id)
             if match is None or match.blocks <= 0:  # the common case on a large pool: nothing cached
                 queue, kv_wait = waits(w, request, 0, dry_run)
-                locals_[w.id] = WorkerTerms(w, {}, 0, 0.0, 0.0, queue, 0, p_remote, kv_wait)
+                locals_[w.id] = WorkerTerms(
+                    worker=w,
+                    tokens={},
+                    cached=0,
+                    expected=0.0,
+                    promotion_s=0.0,
+                    queue_s=queue,
+                    peer_tokens=0,
+                    peer_prob=p_remote,
+                    kv_wait_s=kv_wait,
+                )
             else:
                 locals_[w.id] = self._cached_terms(
                     request, w, match, cap, odds, p_remote, usable_blocks(match, allow_storage, allow_remote), dry_run
@@ -245,7 +255,15 @@ class KvAwarePolicy(Policy):
         served = max(0, match.blocks - max(0, match.remote)) * block
         queue, kv_wait = self.queue.waits(w, request, tokens.get("GPU", 0), dry_run)
         return WorkerTerms(
-            w, tokens, cap - left, sum(exp.values()), promotion, queue, min(cap, served), p_remote, kv_wait
+            worker=w,
+            tokens=tokens,
+            cached=cap - left,
+            expected=sum(exp.values()),
+            promotion_s=promotion,
+            queue_s=queue,
+            peer_tokens=min(cap, served),
+            peer_prob=p_remote,
+            kv_wait_s=kv_wait,
         )
 
     # -- the cost of one candidate ------------------------------------------------------------------

@@ -14,7 +14,7 @@ without a trace (``dry_run``).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection
+from collections.abc import Iterable
 
 from kvroute.policies.base import RouteOutcome, RouteRequest, WorkerView
 from kvroute.policies.calibration import Calibrator
@@ -22,6 +22,21 @@ from kvroute.policies.cost_params import CostParams
 
 #: One request sent and not yet reported: (sent at, predicted service seconds, KV blocks it holds).
 Pending = tuple[float, float, int]
+#: Requests sent to a worker, replayed: (how many, when the worker is free of them, KV blocks they hold).
+Replay = tuple[int, float, int]
+NO_REPLAY: Replay = (0, float("-inf"), 0)
+
+
+def replayed(entries: Iterable[Pending]) -> Replay:
+    """``entries`` (oldest first) replayed as a FIFO queue: each starts when sent or when the one before
+    it is done, whichever is later."""
+    count = blocks = 0
+    free_at = float("-inf")
+    for sent, service, held in entries:
+        free_at = max(free_at, sent) + service
+        blocks += held
+        count += 1
+    return count, free_at, blocks
 
 
 class QueueModel:
@@ -36,6 +51,7 @@ class QueueModel:
         "_max_pending",
         "_parallelism",
         "_pending",
+        "_replays",
         "_still_there",
         "_unknown_running_weight",
     )
@@ -52,6 +68,8 @@ class QueueModel:
         #: Per worker: the requests this policy sent there, oldest first, until their outcome is observed:
         #: a virtual FIFO queue for the queue term, and the blocks they hold for the KV-space term.
         self._pending: dict[str, OrderedDict[str, Pending]] = {}
+        #: Per worker: its pending requests replayed (see :meth:`_replay`), until they change.
+        self._replays: dict[str, Replay] = {}
         #: Per worker: EWMA of how long a request holds its KV blocks (sent -> outcome observed).
         self._hold_s: dict[str, float] = {}
 
@@ -63,11 +81,14 @@ class QueueModel:
         pending[request_id] = (self._calibrator.now(), service_s, blocks)
         while len(pending) > self._max_pending:
             pending.popitem(last=False)
+        self._replays.pop(worker_id, None)
 
     def finished(self, outcome: RouteOutcome) -> None:
         """The request's outcome came back: it leaves the replay, and its hold time is learnt."""
         pending = self._pending.get(outcome.plan.prefill)
         entry = pending.pop(outcome.request_id, None) if pending is not None else None
+        if entry is not None:
+            self._replays.pop(outcome.plan.prefill, None)
         if entry is not None and outcome.ok:
             cal = self._calibrator
             held = max(0.0, cal.now() - entry[0])
@@ -86,26 +107,35 @@ class QueueModel:
         outcome not yet reported): ``choose`` forgets the rest for good, a ``dry_run`` only skips them.
         """
         pending = self._pending.get(w.id)
-        entries: Collection[Pending] = ()
+        replay = NO_REPLAY
         if pending:
             gone = len(pending) - w.load
             if gone <= 0:
-                entries = pending.values()
+                replay = self._replay(w.id, pending)
             elif dry_run:
-                entries = list(pending.values())[gone:]
+                replay = replayed(list(pending.values())[gone:])
             else:
                 for _ in range(gone):
                     pending.popitem(last=False)
-                entries = pending.values()
-        queue = self._queue_s(w, entries)
-        kv_wait = self._kv_wait_s(w, self.blocks_needed(request, gpu_cached_tokens), entries)
+                self._replays.pop(w.id, None)
+                replay = self._replay(w.id, pending)
+        queue = self._queue_s(w, replay)
+        kv_wait = self._kv_wait_s(w, self.blocks_needed(request, gpu_cached_tokens), replay[2])
         return queue + kv_wait, kv_wait
 
-    def _queue_s(self, w: WorkerView, entries: Collection[Pending]) -> float:
+    def _replay(self, worker_id: str, pending: OrderedDict[str, Pending]) -> Replay:
+        """:func:`replayed` of ``worker_id``'s pending requests, kept until they change: every ``choose``
+        reads every worker's, and at 32 clients a worker holds a dozen of them."""
+        replay = self._replays.get(worker_id)
+        if replay is None:
+            replay = self._replays[worker_id] = replayed(pending.values())
+        return replay
+
+    def _queue_s(self, w: WorkerView, replay: Replay) -> float:
         """Work ahead of a new request on ``w``.
 
-        The requests this policy sent there and has not heard back about (``entries``), replayed as a FIFO
-        queue from the times they were sent with their predicted service times, say when the worker will
+        The requests this policy sent there and has not heard back about (``replay``: replayed as a FIFO
+        queue from the times they were sent with their predicted service times) say when the worker will
         be free. Work it cannot replay counts by calibrated service time: in full for requests the router
         has in flight or the engine reports *waiting*, at ``unknown_running_weight`` for the rest of the
         engine's *running* count. Those are other clients' requests or, far more often, a scrape older
@@ -118,13 +148,9 @@ class QueueModel:
         """
         cal = self._calibrator
         known = 0.0
-        own = len(entries)
+        own, free_at, _ = replay
         if own:
-            now = cal.now()
-            free_at = float("-inf")
-            for sent, service, _ in entries:
-                free_at = max(free_at, sent) + service
-            known = max(0.0, free_at - now)
+            known = max(0.0, free_at - cal.now())
         sent_unknown = max(0, w.inflight - own)
         scraped = max(0, w.running + w.waiting - max(w.inflight, own))
         waiting = min(scraped, w.waiting)
@@ -142,11 +168,11 @@ class QueueModel:
         total = -(-((request.prompt_tokens or 0) + (request.max_tokens or 0)) // block)
         return max(0, total - gpu_cached_tokens // block)
 
-    def _kv_wait_s(self, w: WorkerView, needed: int, entries: Collection[Pending]) -> float:
+    def _kv_wait_s(self, w: WorkerView, needed: int, own: int) -> float:
         """Expected wait until ``needed`` KV blocks are free on ``w`` (0 when they already are).
 
         Used blocks are the larger of the scraped usage and what this policy's outstanding requests hold
-        (the scrape lags). A request holds its blocks for about ``hold`` seconds, released at spread-out
+        (``own``; the scrape lags). A request holds its blocks for about ``hold`` seconds, released at spread-out
         times, so freeing a shortfall of ``s`` of ``used`` blocks takes about ``hold x s / used``. vLLM's
         scheduler admits first come, first served once blocks are free: without this term a worker
         holding a session's history looks free while its cache cannot take the next long turn.
@@ -154,7 +180,6 @@ class QueueModel:
         capacity = w.kv_blocks
         if not capacity or needed <= 0 or needed > capacity:  # unknown size, or the engine will refuse
             return 0.0
-        own = sum(blocks for _, _, blocks in entries) if entries else 0
         used = min(float(capacity), max(w.kv_usage * capacity, float(own)))
         free = capacity - used
         if needed <= free or used <= 0:

@@ -40,6 +40,15 @@ def test_growing_bodies_extend_the_previous_prompt_and_depend_on_the_key_alone()
     assert orjson.loads(other[0])["messages"][0] != system
 
 
+def test_a_cached_case_sends_one_prompt_again_and_again() -> None:
+    bodies = peers_overhead.repeated_bodies("m", "k1", tokens=300, steps=4, answer=5)
+    assert len(bodies) == 5 and len(set(bodies)) == 1
+    body = orjson.loads(bodies[0])
+    words = sum(len(m["content"].split()) for m in body["messages"])
+    assert words == 300 and body["stream"] is True and body["stream_options"] == {"include_usage": True}
+    assert peers_overhead.repeated_bodies("m", "k2", tokens=300, steps=4, answer=5)[0] != bodies[0]
+
+
 def _run(rnd: int, target: str, scenario: str, p50: float, rps: float) -> dict[str, object]:
     row: dict[str, object] = {"round": rnd, "target": target, "scenario": scenario, "p50_ms": p50}
     return row | {"p99_ms": 2 * p50, "rps": rps, "requests": 10, "errors": 0}
@@ -114,7 +123,7 @@ def test_quick_run_with_kvroute_and_direct_answers_every_request(tmp_path: Path)
     assert data["peers"] == {} and data["targets"] == []
     assert not any("failed" in r for r in data["runs"])
     targets = ("direct", "kvaware", "round_robin")
-    scenarios = ("small c1", "small c32", "grow 1k", "grow 4k")
+    scenarios = ("small c1", "small c32", "grow 1k", "grow 4k", "cached 1k")
     cells = {(c["scenario"], c["target"]): c for c in data["cells"]}
     assert set(cells) == {(s, t) for s in scenarios for t in targets}
     for (scenario, name), cell in cells.items():
