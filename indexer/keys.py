@@ -101,7 +101,8 @@ class TokenIds(_IdArray):
     for the older ones while a tokenizer cache holds hundreds of them), copied with a reference count
     per id, and packed again for hashing. An array is invisible to the collector, is copied and sliced
     with ``memcpy``, and on a little-endian machine is already the bytes the keys hash
-    (:func:`token_view`). It compares equal to a list or tuple of the same ids.
+    (:func:`token_view`). It compares equal to a list or tuple of the same ids; for JSON, ``list(ids)``
+    (neither ``json`` nor ``orjson`` serialises an array).
 
     ``memo`` holds the key chains of exactly these ids (shared with the tokenizer's cache entry);
     ``base`` those of a cached sequence whose first ``shared`` ids are these ids' first ``shared``.

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -332,7 +333,7 @@ async def test_repeated_prefix_predicted_as_the_engine_serves_it(
 
 async def place(
     http: httpx.AsyncClient, url: str, server: VllmServer, route: str, local: Tokenizers, rng: random.Random
-) -> tuple[dict[str, Any], list[int]]:
+) -> tuple[dict[str, Any], Sequence[int]]:
     """Serve a fresh long prompt on ``server`` directly until the router's index shows it there (its SUB
     may connect after the first batch)."""
     for _ in range(10):
@@ -353,8 +354,9 @@ async def place(
     raise AssertionError(f"the router's index never showed a prefix placed on {server.name}")
 
 
-async def _holds(http: httpx.AsyncClient, url: str, worker: str, tokens: list[int]) -> bool:
-    resp = await http.post(f"{url}/admin/index/lookup", json={"model": MODEL_NAME, "token_ids": tokens})
+async def _holds(http: httpx.AsyncClient, url: str, worker: str, tokens: Sequence[int]) -> bool:
+    body = {"model": MODEL_NAME, "token_ids": list(tokens)}  # a tokenizer's ids are an array: JSON wants a list
+    resp = await http.post(f"{url}/admin/index/lookup", json=body)
     matches = {row["worker"]: row["blocks"] for row in resp.json()["matches"]} if resp.status_code == 200 else {}
     return matches.get(worker, 0) >= len(tokens) // BLOCK_SIZE
 
