@@ -97,9 +97,8 @@ class TokenIds(_IdArray):
 
     Stored this way rather than as a list of Python ints because a long prompt's ids are the router's
     largest per-request object: a list of 32k ints is walked by every garbage collection of its
-    generation (a pointer per id, each int's type read: ~100 µs per young collection, milliseconds
-    for the older ones while a tokenizer cache holds hundreds of them), copied with a reference count
-    per id, and packed again for hashing. An array is invisible to the collector, is copied and sliced
+    generation (a pointer per id, while a tokenizer cache holds hundreds of them), copied with a
+    reference count per id, and packed again for hashing. An array is invisible to the collector, is copied and sliced
     with ``memcpy``, and on a little-endian machine is already the bytes the keys hash
     (:func:`token_view`). It compares equal to a list or tuple of the same ids; for JSON, ``list(ids)``
     (neither ``json`` nor ``orjson`` serialises an array).
@@ -467,14 +466,16 @@ class KeyChainCache:
             return request_keys(tokens, block_size, model, lora_name=lora_name, cache_salt=cache_salt)
         step = block_size * 4
         packed = token_view(tokens)
+        size = count * step
         ctx = (model, block_size, lora_name or None, cache_salt or None)
         memo = None
         if type(tokens) is TokenIds and tokens.memo is not None:
             memo = tokens.memo
-            keys = self._from_memo(tokens, memo, ctx, memoryview(packed)[: count * step])
+            keys = self._from_memo(tokens, memo, ctx, memoryview(packed)[:size])
             if keys is not None:
                 return list(keys)
-        data = bytes(packed[: count * step])  # the cache compares its sequences: bytes
+        # The cache compares its sequences, so it keeps bytes: packed ids already are, a view is copied.
+        data = packed if isinstance(packed, bytes) and len(packed) == size else bytes(packed[:size])
         index = self._index.get(ctx)
         if index is None:
             # Marks every 1, 2, 4, ... blocks up to ~4k tokens, then every ~4k tokens (one xxh3 call each).
