@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
@@ -111,14 +111,23 @@ class RoutePlan:
     predicted_by_tier: dict[str, int] = field(default_factory=dict)
     #: Use the conversation store's kv_transfer_params from the previous turn.
     reuse_conversation: bool = False
-    reason: str = ""
+    #: Why this plan won: the text, or a function that writes it (the cost model's reason is formatted only
+    #: when somebody reads it: the debug log, explain, a debug header). Read it with :meth:`why`.
+    reason: str | Callable[[], str] = ""
     breakdown: dict[str, float] = field(default_factory=dict)
-    candidates: list[CandidatePlan] = field(default_factory=list)
+    #: The best candidates, best first (a lazily shown sequence from the cost model).
+    candidates: Sequence[CandidatePlan] = field(default_factory=list)
     policy: str = ""
 
     @property
     def disaggregated(self) -> bool:
         return self.prefill != self.decode
+
+    def why(self) -> str:
+        """The reason as text (written once, on the first read)."""
+        if callable(self.reason):
+            self.reason = self.reason()
+        return self.reason
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -133,7 +142,7 @@ class RoutePlan:
             "predicted_ttft_s": self.predicted_ttft_s,
             "predicted_by_tier": self.predicted_by_tier,
             "reuse_conversation": self.reuse_conversation,
-            "reason": self.reason,
+            "reason": self.why(),
             "breakdown": self.breakdown,
             "candidates": [
                 {

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+from collections.abc import Sequence
 from dataclasses import dataclass
 from operator import itemgetter
-from typing import Protocol
+from typing import Protocol, overload
 
 from kvroute.indexer.backend import WorkerMatch
 from kvroute.policies.base import CandidatePlan, ModelFigures, RouteRequest, WorkerView
@@ -231,6 +232,37 @@ def conversation_source(ctx: Context, prm: CostParams) -> WorkerTerms | None:
         return None
     holder = ctx.locals[req.conversation_worker or ""]
     return dataclasses.replace(holder, peer_tokens=min(ctx.cap, req.conversation_reusable_tokens))
+
+
+class ShownCandidates(Sequence[CandidatePlan]):
+    """A plan's best candidates, each turned into its shown form on first read: a decision reads the best
+    and perhaps the runner-up (a receipt), ``explain`` reads them all."""
+
+    __slots__ = ("_options", "_shown")
+
+    def __init__(self, options: Sequence[Option]) -> None:
+        self._options = options
+        self._shown: list[CandidatePlan | None] = [None] * len(options)
+
+    def __len__(self) -> int:
+        return len(self._options)
+
+    @overload
+    def __getitem__(self, index: int) -> CandidatePlan: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[CandidatePlan]: ...
+
+    def __getitem__(self, index: int | slice) -> CandidatePlan | list[CandidatePlan]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self._options)))]
+        shown = self._shown[index]
+        if shown is None:
+            shown = self._shown[index] = materialise(self._options[index])
+        return shown
+
+    def __repr__(self) -> str:
+        return repr(list(self))
 
 
 def materialise(o: Option) -> CandidatePlan:

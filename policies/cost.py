@@ -44,9 +44,9 @@ from kvroute.policies.candidates import (
     Context,
     LocalRun,
     Option,
+    ShownCandidates,
     WorkerTerms,
     candidates,
-    materialise,
     usable_blocks,
     usable_run,
 )
@@ -169,7 +169,7 @@ class KvAwarePolicy(Policy):
         if not options:
             raise NoWorkerError("no worker with the needed role")
         options.sort(key=Option.key)
-        shown = [materialise(o) for o in (options if limit is None else options[:limit])]
+        shown = ShownCandidates(options if limit is None else options[:limit])
         return self._plan(ctx, options, shown)
 
     # -- per-worker terms ----------------------------------------------------------------------------
@@ -348,12 +348,15 @@ class KvAwarePolicy(Policy):
 
     # -- the plan ------------------------------------------------------------------------------------
 
-    def _plan(self, ctx: Context, ranked: list[Option], shown: list[CandidatePlan]) -> RoutePlan:
+    def _plan(self, ctx: Context, ranked: list[Option], shown: ShownCandidates) -> RoutePlan:
         best = shown[0]
         load_tiers: list[dict[str, str]] | None = None
         max_offload: int | None = None
         max_load: int | None = None
         by_tier = _tier_tokens(ranked[0])
+        runner = ranked[1] if len(ranked) > 1 else None
+        holder = max(ctx.locals.values(), key=_holding, default=None)
+        prompt = ctx.prompt
         if self.params.kv_protocol == "p2p":
             load_tiers, max_offload = self.tiers.apply(ctx.request, with_source=best.kv_source is not None)
             planned_loads = sum(n for tier, n in by_tier.items() if tier != "GPU")
@@ -369,11 +372,15 @@ class KvAwarePolicy(Policy):
             predicted_ttft_s=best.breakdown["total_s"],
             predicted_by_tier=by_tier,
             reuse_conversation=ranked[0].reuse,
-            reason=_reason(ctx, best, ranked),
+            reason=lambda: _reason(prompt, best, runner, holder),
             breakdown=dict(best.breakdown),
             candidates=shown,
             policy=self.name,
         )
+
+
+def _holding(terms: WorkerTerms) -> tuple[int, float]:
+    return terms.cached, -terms.queue_s
 
 
 def _tier_tokens(best: Option) -> dict[str, int]:
@@ -386,23 +393,22 @@ def _tier_tokens(best: Option) -> dict[str, int]:
     return by_tier
 
 
-def _reason(ctx: Context, best: CandidatePlan, ranked: list[Option]) -> str:
-    """Why the winner won: its terms, the runner-up's gap, and when load overrode affinity."""
+def _reason(prompt: int, best: CandidatePlan, runner: Option | None, holder: WorkerTerms | None) -> str:
+    """Why the winner won: its terms, the ``runner``-up's gap, and when load overrode the affinity to the
+    ``holder`` of the most cached tokens. Formatted only when read: it holds no more of the decision."""
     bd = best.breakdown
     text = (
         f"best plan, predicted TTFT {bd['total_s'] * 1000:.1f} ms ({best.note}): "
-        f"{best.predicted_cached_tokens}/{ctx.prompt} tokens cached, "
+        f"{best.predicted_cached_tokens}/{prompt} tokens cached, "
         f"queue {bd['queue_s'] * 1000:.1f} ms"
         + (f" (KV space {bd['kv_space_wait_s'] * 1000:.1f} ms)" if bd.get("kv_space_wait_s") else "")
         + ", "
         f"prefill {bd['prefill_s'] * 1000:.1f} ms"
     )
-    if len(ranked) > 1:
-        runner = ranked[1]
+    if runner is not None:
         gap_ms = (runner.rank - best.score) * 1000
         text += f"; next {runner.p.worker.id}->{runner.d.id} ranked +{gap_ms:.1f} ms behind"
-    holder = max(ctx.locals.values(), key=lambda lw: (lw.cached, -lw.queue_s))
-    if holder.cached > best.predicted_cached_tokens:
+    if holder is not None and holder.cached > best.predicted_cached_tokens:
         text += (
             f"; load overrides affinity: {holder.worker.id} holds {holder.cached} tokens "
             f"but waits {holder.queue_s * 1000:.1f} ms"

@@ -144,7 +144,7 @@ def _endpoint(state: RouterState, *, generation: bool) -> Endpoint:
             )
             if generation:
                 model_label = parsed.model or "unknown"
-            response = await until_disconnect(request.receive, flow.handle(parsed))
+            response = await until_disconnect(request.receive, flow.handle(parsed), request.scope)
         except ApiError as exc:
             if generation and exc.code == "model_not_found":
                 model_label = "unknown"

@@ -21,7 +21,6 @@ import logging
 import re
 import socket
 import time
-import uuid
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,7 +35,7 @@ from google.protobuf import struct_pb2
 from kvroute.router.errors import ApiError, error_body
 from kvroute.router.flow import DP_RANK_HEADER, Decision
 from kvroute.router.forwarding import Result, UsageSniffer, usage_of
-from kvroute.router.requests import GENERATION_ROUTES, parse_request
+from kvroute.router.requests import GENERATION_ROUTES, new_request_id, parse_request
 from kvroute.router.state import RouterState
 
 log = logging.getLogger("kvroute.epp")
@@ -225,7 +224,7 @@ class Exchange:
             if not key.startswith(":") and key not in _PSEUDO_OR_HOP:
                 self.raw_headers.append((key.encode("latin-1"), value.encode("latin-1")))
         given = self.headers.get("x-request-id")
-        self.request_id = given if given and _REQUEST_ID.match(given) else uuid.uuid4().hex
+        self.request_id = given if given and _REQUEST_ID.match(given) else new_request_id()
         if msg.end_of_stream:  # no body (a GET): route on load alone
             return await self._route(b"", in_headers=True)
         if self.request_mode not in (FULL_DUPLEX, BUFFERED):

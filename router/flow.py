@@ -202,7 +202,7 @@ class RequestFlow:
                 plan.prefill,
                 plan.decode,
                 plan.kv_source,
-                plan.reason,
+                plan.why(),
             )
         return Decision(request, facts, plan, views)
 

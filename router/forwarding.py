@@ -96,7 +96,7 @@ class RawStreamingResponse(StreamingResponse):
         an anyio task group per response for the same watch; one plain watcher task costs less on the
         path to the first token."""
         try:
-            await until_disconnect(receive, self.stream_response(send))
+            await until_disconnect(receive, self.stream_response(send), scope)
         except ClientGone:
             log.debug("client left during a stream; upstream closed")
 

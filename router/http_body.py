@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
-from typing import TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 from kvroute.router.errors import ApiError, bad_request
 from starlette.requests import Request
 from starlette.types import Receive
 
 T = TypeVar("T")
+
+#: A scope key kvroute's own server protocol (``kvroute.apps.http_protocol``) fills with a list: the
+#: callbacks in it run when the client's connection is lost before the response is complete. Under any
+#: other ASGI server the key is absent and a watcher task waits on ``receive`` instead.
+DISCONNECT_CALLBACKS = "kvroute.disconnect_callbacks"
 
 
 class ClientGone(Exception):
@@ -54,24 +59,35 @@ def _too_large(limit: int) -> ApiError:
     return ApiError(413, f"request body is larger than the limit of {limit} bytes", "request_too_large")
 
 
-async def until_disconnect(receive: Receive, work: Awaitable[T]) -> T:
+async def until_disconnect(receive: Receive, work: Awaitable[T], scope: Any = None) -> T:
     """Await ``work`` but cancel it when the client hangs up (``receive``: the request's, after its body
-    was read, so it only returns on disconnect). One watcher task; the work itself runs in the current
-    task. Raises :class:`ClientGone` when the client left."""
+    was read, so it only returns on disconnect). The work runs in the current task; the server's
+    disconnect callback (``scope[DISCONNECT_CALLBACKS]``) or, without one, a watcher task cancels it.
+    Raises :class:`ClientGone` when the client left."""
     current = asyncio.current_task()
     assert current is not None
     gone = False
 
-    async def watch() -> None:
+    def hang_up() -> None:
         nonlocal gone
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                gone = True
-                current.cancel()
-                return
+        if not gone:
+            gone = True
+            current.cancel()
 
-    watcher = asyncio.create_task(watch())
+    callbacks: list[Callable[[], None]] | None = scope.get(DISCONNECT_CALLBACKS) if scope is not None else None
+    watcher: asyncio.Task[None] | None = None
+    if callbacks is not None:
+        callbacks.append(hang_up)
+    else:
+
+        async def watch() -> None:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    hang_up()
+                    return
+
+        watcher = asyncio.create_task(watch())
     try:
         return await work
     except asyncio.CancelledError:
@@ -80,4 +96,7 @@ async def until_disconnect(receive: Receive, work: Awaitable[T]) -> T:
             raise ClientGone() from None
         raise
     finally:
-        watcher.cancel()
+        if watcher is not None:
+            watcher.cancel()
+        elif callbacks is not None:
+            callbacks.remove(hang_up)

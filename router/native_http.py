@@ -134,14 +134,16 @@ class _Connection(asyncio.Protocol):
     async def wait(self, timeout: float | None) -> None:
         """Until the parser has news (headers, body, the end, an error); UpstreamError on ``timeout``."""
         loop = asyncio.get_running_loop()
-        self.waiter = loop.create_future()
+        waiter = self.waiter = loop.create_future()
+        # A timer that fails the future, not asyncio.timeout: that one cancels and un-cancels the task, which
+        # cost several times more per wait on the request path (a stream waits once per chunk).
+        timer = None if timeout is None else loop.call_later(timeout, _expire, waiter)
         try:
-            async with asyncio.timeout(timeout):
-                await self.waiter
-        except TimeoutError:
-            raise UpstreamError("timeout", "upstream read timed out") from None
+            await waiter
         finally:
             self.waiter = None
+            if timer is not None:
+                timer.cancel()
 
     def take(self) -> bytes:
         chunk = self.chunks.popleft()
@@ -155,6 +157,11 @@ class _Connection(asyncio.Protocol):
         self.closed = True
         if self.transport is not None:
             self.transport.close()
+
+
+def _expire(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_exception(UpstreamError("timeout", "upstream read timed out"))
 
 
 class _NativeResponse(UpstreamResponse):

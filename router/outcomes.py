@@ -15,7 +15,7 @@ from kvroute.router.facts import Facts
 from kvroute.router.forwarding import Result
 from kvroute.router.kv_metrics import KVRouteMetrics
 from kvroute.router.metrics import RouterMetrics
-from kvroute.router.receipts import Receipts, receipt_of
+from kvroute.router.receipts import Receipts
 from kvroute.router.requests import ParsedRequest
 from kvroute.router.surfaces import SURFACE_NAMES, usage_counts
 from kvroute.vocabulary import SOURCE_OF_TIER
@@ -74,17 +74,15 @@ class Outcomes:
         )
         if self.receipts is not None:
             self.receipts.add(
-                receipt_of(
-                    request.request_id,
-                    model,
-                    plan,
-                    prompt_tokens=outcome.prompt_tokens or None,
-                    cached_tokens=outcome.cached_tokens,
-                    ttfb_s=result.ttfb_s,
-                    stream=request.stream,
-                    status=result.status,
-                    ok=result.ok,
-                )
+                request.request_id,
+                model,
+                plan,
+                prompt_tokens=outcome.prompt_tokens or None,
+                cached_tokens=outcome.cached_tokens,
+                ttfb_s=result.ttfb_s,
+                stream=request.stream,
+                status=result.status,
+                ok=result.ok,
             )
         try:
             policy.observe(outcome)

@@ -30,6 +30,7 @@ def receipt_of(
     model: str,
     plan: RoutePlan,
     *,
+    at: float,
     prompt_tokens: int | None,
     cached_tokens: int | None,
     ttfb_s: float | None,
@@ -42,7 +43,7 @@ def receipt_of(
     runner = plan.candidates[1] if len(plan.candidates) > 1 else None
     chosen_note = plan.candidates[0].note if plan.candidates else ""
     return {
-        "at": time.time(),
+        "at": at,
         "request_id": request_id,
         "model": model,
         "policy": plan.policy,
@@ -77,20 +78,25 @@ def receipt_of(
 
 
 class Receipts:
-    """The last ``capacity`` receipts, and optionally every one appended to ``path`` (JSON lines)."""
+    """The last ``capacity`` receipts, and optionally every one appended to ``path`` (JSON lines).
+
+    Kept in memory as the plan and the observed figures; the JSON shape is made when a receipt is read (or
+    written to the file), not on the request path of every answer."""
 
     def __init__(self, capacity: int = 1000, path: str | Path | None = None, flush_every: int = 64) -> None:
-        self._recent: deque[dict[str, Any]] = deque(maxlen=max(1, capacity))
+        self._recent: deque[tuple[float, str, str, RoutePlan, dict[str, Any]]] = deque(maxlen=max(1, capacity))
         self._file: IO[bytes] | None = open(path, "ab") if path else None  # noqa: SIM115 (closed in close())
         self._flush_every = max(1, flush_every)
         self._unflushed = 0
 
-    def add(self, receipt: dict[str, Any]) -> None:
-        self._recent.append(receipt)
+    def add(self, request_id: str, model: str, plan: RoutePlan, **observed: Any) -> None:
+        """One answered request: ``observed`` are :func:`receipt_of`'s keyword arguments but ``at``."""
+        entry = (time.time(), request_id, model, plan, observed)
+        self._recent.append(entry)
         if self._file is None:
             return
         try:
-            self._file.write(orjson.dumps(receipt) + b"\n")
+            self._file.write(orjson.dumps(_receipt(entry)) + b"\n")
             self._unflushed += 1
             if self._unflushed >= self._flush_every:
                 self._file.flush()
@@ -101,9 +107,14 @@ class Receipts:
 
     def recent(self, limit: int) -> list[dict[str, Any]]:
         items = list(self._recent)
-        return items[-limit:] if limit else []
+        return [_receipt(entry) for entry in items[-limit:]] if limit else []
 
     async def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def _receipt(entry: tuple[float, str, str, RoutePlan, dict[str, Any]]) -> dict[str, Any]:
+    at, request_id, model, plan, observed = entry
+    return receipt_of(request_id, model, plan, at=at, **observed)

@@ -69,6 +69,9 @@ class WorkerState:
     changed_at: float = field(default_factory=time.time)
     #: Until when (monotonic) the worker counts as full: it refused a request (admission control).
     full_until: float = 0.0
+    #: The last :meth:`view` and what it was made of: a request reads every worker's view, and most
+    #: requests find none of it changed since the previous one.
+    _view_memo: tuple[tuple[object, ...], WorkerView] | None = field(default=None, repr=False, compare=False)
 
     @property
     def id(self) -> str:
@@ -86,8 +89,12 @@ class WorkerState:
         return model in self.models
 
     def view(self) -> WorkerView:
-        cfg = self.config
-        return WorkerView(
+        cfg, load = self.config, self.load
+        made_of = (self.healthy, self.inflight, load, cfg)
+        memo = self._view_memo
+        if memo is not None and memo[0] == made_of:
+            return memo[1]
+        view = WorkerView(
             id=cfg.worker_id,
             role=cfg.role,
             healthy=bool(self.healthy),
@@ -98,8 +105,10 @@ class WorkerState:
             kv_blocks=self.load.num_gpu_blocks,
             p2p_host=cfg.p2p_host,
             p2p_port=cfg.p2p_port,
-            served_by_source=self.load.cached_by_source,
+            served_by_source=load.cached_by_source,
         )
+        self._view_memo = (made_of, view)
+        return view
 
     def to_dict(self) -> dict[str, object]:
         return {

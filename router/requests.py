@@ -14,9 +14,11 @@ its ``kv_transfer_params`` (stripped, or the request refused) and ``conversation
 
 from __future__ import annotations
 
+import itertools
+import os
 import re
+import secrets
 import time
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -122,13 +124,29 @@ class ParsedRequest:
         return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+def _new_id_source() -> None:
+    global _id_prefix, _id_counter
+    _id_prefix, _id_counter = secrets.token_hex(10), itertools.count()
+
+
+_id_prefix, _id_counter = "", itertools.count()
+_new_id_source()
+os.register_at_fork(after_in_child=_new_id_source)  # a pre-forked child never repeats its parent's ids
+
+
+def new_request_id() -> str:
+    """32 hex digits, like ``uuid4().hex``: a random per-process prefix (80 bits, drawn again in a forked
+    child) and a counter, so minting one costs no ``urandom`` call per request."""
+    return f"{_id_prefix}{next(_id_counter) & 0xFFFFFFFFFFFF:012x}"
+
+
 def request_id_from(raw: RawHeaders) -> str:
     """The client's X-Request-Id when it is sane (it ends up in logs and in vLLM), else a new one."""
     for key, value in raw:
         if key == b"x-request-id":
             given = value.decode("latin-1")
-            return given if _REQUEST_ID.match(given) else uuid.uuid4().hex
-    return uuid.uuid4().hex
+            return given if _REQUEST_ID.match(given) else new_request_id()
+    return new_request_id()
 
 
 def upstream_headers(

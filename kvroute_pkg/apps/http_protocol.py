@@ -6,14 +6,20 @@ descriptors so every other client is refused. This protocol closes a connection 
 are not complete ``header_timeout_s`` after its first byte (or after it opened), and refuses connections
 beyond ``max_connections`` at once, before they cost anything. Slow bodies are bounded by the app
 (``body_timeout_s``, answered 408).
+
+It also tells the app of a client that hangs up: each request's scope carries a list under
+:data:`~kvroute.router.http_body.DISCONNECT_CALLBACKS`, called when the connection is lost before the
+response is complete, so the app cancels the upstream request without a watcher task per request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
+from kvroute.router.http_body import DISCONNECT_CALLBACKS
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 log = logging.getLogger("kvroute.http")
@@ -60,11 +66,17 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._disarm()
+        cast(dict[str, Any], self.scope)[DISCONNECT_CALLBACKS] = []
         super().on_headers_complete()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        cycle = self.cycle
         super().connection_lost(exc)
+        if cycle is not None and not cycle.response_complete:
+            callbacks: list[Callable[[], None]] = cast(dict[str, Any], cycle.scope).get(DISCONNECT_CALLBACKS, [])
+            for hang_up in list(callbacks):
+                hang_up()
 
 
 def guarded_protocol(header_timeout_s: float, max_connections: int) -> type[Any]:

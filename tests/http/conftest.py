@@ -17,16 +17,17 @@ from tests.http.upstream import FakeWorker, serve, serve_worker
 
 @contextlib.asynccontextmanager
 async def run_router(
-    workers: Sequence[str | dict[str, Any]], impl: Policy | None = None, **settings: Any
+    workers: Sequence[str | dict[str, Any]], impl: Policy | None = None, http: Any = "httptools", **settings: Any
 ) -> AsyncIterator[tuple[str, Any]]:
-    """A router app served by uvicorn; yields (base URL, app). ``impl``: a policy instance to use."""
+    """A router app served by uvicorn; yields (base URL, app). ``impl``: a policy instance to use;
+    ``http``: uvicorn's protocol (``kvroute serve``'s own: :func:`kvroute.apps.http_protocol.guarded_protocol`)."""
     specs = [w if isinstance(w, dict) else {"url": w} for w in workers]
     settings.setdefault("policy", "round_robin")  # the proxy mechanics tests want a predictable spread
     settings.setdefault("health_interval_s", 0.1)
     settings.setdefault("metrics_interval_s", 0.1)
     config = RouterConfig.model_validate({"workers": specs, **settings})
     app = build_app(config, policy=impl)
-    async with serve(app, lifespan="on") as url:
+    async with serve(app, lifespan="on", http=http) as url:
         yield url, app
 
 

@@ -6,6 +6,7 @@ import asyncio
 
 import httpx
 import pytest
+from kvroute.apps.http_protocol import guarded_protocol
 
 from tests.http.conftest import run_router
 from tests.http.upstream import (
@@ -64,9 +65,15 @@ async def test_hangup_before_answer_is_retried(client: httpx.AsyncClient, http_c
         assert metric(app, "kvroute_retries_total") >= 2
 
 
-async def test_client_disconnect_cancels_streaming_upstream(http_client: str) -> None:
+#: The server's side of a hang-up: uvicorn's own protocol (the app watches ``receive``), or kvroute serve's
+#: (its disconnect callbacks).
+SERVERS = {"uvicorn": "httptools", "kvroute": guarded_protocol(10.0, 0)}
+
+
+@pytest.mark.parametrize("server", sorted(SERVERS))
+async def test_client_disconnect_cancels_streaming_upstream(http_client: str, server: str) -> None:
     w = FakeWorker("slow", chunks=200, chunk_delay_s=0.05)
-    async with serve_worker(w), run_router([w.url], http_client=http_client) as (url, app):
+    async with serve_worker(w), run_router([w.url], http=SERVERS[server], http_client=http_client) as (url, app):
         async with (
             httpx.AsyncClient(timeout=10, trust_env=False) as c,
             c.stream("POST", url + "/v1/completions", json={**COMPLETION, "stream": True}) as r,
@@ -79,9 +86,10 @@ async def test_client_disconnect_cancels_streaming_upstream(http_client: str) ->
         await wait_for(lambda: state.inflight == 0)
 
 
-async def test_client_disconnect_cancels_non_streaming_upstream(http_client: str) -> None:
+@pytest.mark.parametrize("server", sorted(SERVERS))
+async def test_client_disconnect_cancels_non_streaming_upstream(http_client: str, server: str) -> None:
     w = FakeWorker("slow", delay_s=30)
-    async with serve_worker(w), run_router([w.url], http_client=http_client) as (url, app):
+    async with serve_worker(w), run_router([w.url], http=SERVERS[server], http_client=http_client) as (url, app):
         c = httpx.AsyncClient(timeout=10, trust_env=False)
         task = asyncio.create_task(c.post(url + "/v1/completions", json=COMPLETION))
         await asyncio.wait_for(w.started.wait(), 10)

@@ -196,8 +196,9 @@ class FakeWorker:
 
 
 @contextlib.asynccontextmanager
-async def serve(app: Any, lifespan: str = "off") -> AsyncIterator[str]:
-    """Run an ASGI app with uvicorn on a free loopback port in the current loop; yields its base URL."""
+async def serve(app: Any, lifespan: str = "off", http: Any = "httptools") -> AsyncIterator[str]:
+    """Run an ASGI app with uvicorn on a free loopback port in the current loop; yields its base URL.
+    ``http``: uvicorn's protocol name or class (``kvroute serve``'s own, say)."""
     port = free_port()
     config = uvicorn.Config(
         app,
@@ -206,7 +207,7 @@ async def serve(app: Any, lifespan: str = "off") -> AsyncIterator[str]:
         log_level="warning",
         lifespan=lifespan,
         loop="none",
-        http="httptools",
+        http=http,
         access_log=False,
     )
     server = uvicorn.Server(config)

@@ -101,7 +101,7 @@ def test_approx_text_sticks_to_the_worker_that_saw_the_text() -> None:
     first = policy.choose(text_request("You are a helpful assistant. Q1"), ws)
     again = policy.choose(text_request("You are a helpful assistant. Q1 A1 Q2"), ws)
     assert again.prefill == first.prefill
-    assert "text match" in again.reason
+    assert "text match" in again.why()
 
 
 def test_approx_text_spreads_unmatched_text_to_the_smallest_tree() -> None:
@@ -118,7 +118,7 @@ def test_approx_text_goes_to_least_load_when_imbalanced() -> None:
     holder = policy.choose(text_request("shared prefix and more"), ws).prefill
     ws = [dataclasses.replace(w, inflight=200 if w.id == holder else 0) for w in ws]
     plan = policy.choose(text_request("shared prefix and more"), ws)
-    assert plan.prefill != holder and "imbalanced" in plan.reason
+    assert plan.prefill != holder and "imbalanced" in plan.why()
 
 
 def test_approx_text_pd_pool_picks_a_decoder_by_load() -> None:

@@ -34,7 +34,7 @@ def test_load_overrides_affinity() -> None:
     ws[2] = dataclasses.replace(ws[2], inflight=40)
     plan = kvaware().choose(request(8000, gpu("w2", 400)), ws)
     assert plan.prefill != "w2"
-    assert "load overrides affinity" in plan.reason
+    assert "load overrides affinity" in plan.why()
 
 
 def test_no_hot_spot_on_a_popular_prefix() -> None:
@@ -148,7 +148,7 @@ def test_pd_pool_decoder_holding_most_of_the_prompt_prefills_the_rest_itself() -
     policy = kvaware(kv_protocol="nixl", pd_split_threshold_tokens=256)
     plan = policy.choose(request(16000, gpu("d0", 900)), ws)
     assert (plan.prefill, plan.decode) == ("d0", "d0")
-    assert "prefill busy" in plan.reason or "prefills locally" in plan.reason
+    assert "prefill busy" in plan.why() or "prefills locally" in plan.why()
 
 
 def test_pd_pool_decoders_take_prefills_only_when_the_prefill_workers_are_backed_up() -> None:
@@ -450,7 +450,7 @@ def test_a_session_moves_only_for_a_clear_gain() -> None:
     assert kvaware(calibrate=False).choose(req, ws).prefill == "w0"
     ws[0] = dataclasses.replace(ws[0], inflight=10)
     plan = kvaware(calibrate=False).choose(req, ws)
-    assert plan.prefill == "w1" and "load overrides affinity" in plan.reason
+    assert plan.prefill == "w1" and "load overrides affinity" in plan.why()
 
 
 def test_one_outlier_moves_the_prefill_scale_a_bounded_step() -> None:

@@ -27,7 +27,7 @@ def fresh(name: str) -> Policy:
 
 
 def same(a: RoutePlan, b: RoutePlan) -> bool:
-    return dataclasses.asdict(a) == dataclasses.asdict(b)
+    return a.to_dict() == b.to_dict()
 
 
 @pytest.mark.parametrize("name", BUILTINS)
@@ -99,7 +99,7 @@ def test_kvaware_explain_reads_the_queue_replay_without_trimming_it() -> None:
     probe = request(8000, gpu("w0", 400), request_id="x")
     explained = dry.explain(probe, idle)
     would = copy.deepcopy(plain).choose(probe, idle)
-    assert dataclasses.replace(explained, candidates=explained.candidates[:8]) == would
+    assert same(dataclasses.replace(explained, candidates=explained.candidates[:8]), would)
     busy = [dataclasses.replace(w, inflight=3) for w in ws]  # the three are outstanding after all
     assert same(dry.choose(request(8000, request_id="y"), busy), plain.choose(request(8000, request_id="y"), busy))
 
@@ -127,7 +127,7 @@ def test_kvaware_explain_is_choose_with_every_candidate_and_learns_nothing() -> 
     chosen = policy.choose(dataclasses.replace(req, request_id="r2"), ws)
     assert len(full.candidates) > len(chosen.candidates) == 8
     assert [c.score for c in chosen.candidates] == [c.score for c in full.candidates[:8]]
-    assert dataclasses.replace(full, candidates=chosen.candidates) == chosen
+    assert same(dataclasses.replace(full, candidates=chosen.candidates), chosen)
 
 
 def test_the_default_explain_runs_choose_on_a_copy() -> None:
