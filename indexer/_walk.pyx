@@ -55,33 +55,58 @@ cdef inline void _credit(list entry, Py_ssize_t run, long bits):
 
 def walk(dict blocks, keys):
     """Per slot ``[blocks, gpu, cpu, storage, remote]`` for the longest runs from the start of ``keys``."""
+    return walk_from(blocks, keys)[0]
+
+
+cdef dict _copy_counts(dict result):
+    return {slot: list(entry) for slot, entry in result.items()}
+
+
+def walk_from(dict blocks, keys, resume=None, bint keep=False):
+    """``walk``, continued from ``resume`` (see ``kvroute.indexer.memory.walk_from_python``: the same
+    contract and states); with ``keep``, also the state where this walk stopped."""
     if not isinstance(keys, list):
         keys = list(keys)
     cdef list key_list = <list>keys
     cdef Py_ssize_t n = PyList_GET_SIZE(key_list)
-    if n == 0:
-        return {}
-    cdef PyObject* found = PyDict_GetItem(blocks, <object>PyList_GET_ITEM(key_list, 0))
-    if found == NULL:
-        return {}
-    first = <object>found
-    if not first:
-        return {}
-    cdef dict result = {}
-    cdef dict start = {}
-    cdef dict held = {}
+    cdef PyObject* found
+    cdef PyObject* prev_ptr = NULL
+    cdef dict result
+    cdef dict start
+    cdef dict held
     cdef Py_ssize_t slot
-    lanes = _lanes(first)
-    for slot in _slots_of(lanes):
-        result[slot] = [0, 0, 0, 0, 0]
-        start[slot] = 0
-        held[slot] = (first >> (slot * SLOT_BITS)) & _BYTE
-    alive_full = lanes * _BYTE
-    prev_raw = first
-    prev = first
-    cdef PyObject* prev_ptr = found
     cdef Py_ssize_t i = 0
     cdef long bits
+    if resume is None:
+        if n == 0:
+            return {}, None
+        found = PyDict_GetItem(blocks, <object>PyList_GET_ITEM(key_list, 0))
+        if found == NULL:
+            return {}, None
+        first = <object>found
+        if not first:
+            return {}, None
+        result = {}
+        start = {}
+        held = {}
+        lanes = _lanes(first)
+        for slot in _slots_of(lanes):
+            result[slot] = [0, 0, 0, 0, 0]
+            start[slot] = 0
+            held[slot] = (first >> (slot * SLOT_BITS)) & _BYTE
+        alive_full = lanes * _BYTE
+        prev_raw = first
+        prev = first
+        prev_ptr = found
+    else:
+        depth, done, counts, starts, holding, alive_full, prev_raw, prev = resume
+        result = _copy_counts(counts)
+        if done:
+            return result, resume
+        i = depth
+        start = dict(starts)
+        held = dict(holding)
+        prev_ptr = <PyObject*>prev_raw  # never NULL: an absent key must not read as the same run
     while i < n:
         found = PyDict_GetItem(blocks, <object>PyList_GET_ITEM(key_list, i))
         if found == prev_ptr:
@@ -110,10 +135,11 @@ def walk(dict blocks, keys):
                     alive_full &= ~(_BYTE << (slot * SLOT_BITS))
             prev = value
             if not value:
-                return result
+                return result, ((i, True, _copy_counts(result), {}, {}, 0, 0, 0) if keep else None)
         i += 1
+    kept = (i, False, _copy_counts(result), dict(start), dict(held), alive_full, prev_raw, prev) if keep else None
     for slot_obj, held_bits in held.items():
         entry = <list>result[slot_obj]
         _credit(entry, i - <Py_ssize_t>start[slot_obj], <long>held_bits)
         entry[0] = i
-    return result
+    return result, kept

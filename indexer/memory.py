@@ -19,6 +19,10 @@ from kvroute.indexer.bitsets import add_bits, add_bits_counted, classify, named_
 
 SLOT_BITS = 8
 _BYTE = 0xFF
+#: Walks remembered to be continued: chains (by first key), and walks per chain (conversations sharing
+#: a system prompt share a first key).
+MAX_REMEMBERED_CHAINS = 1024
+WALKS_PER_CHAIN = 8
 
 
 @dataclass(slots=True)
@@ -33,6 +37,37 @@ class _Model:
     held: dict[str, dict[int, int]] = field(default_factory=dict)
     #: Per worker: tier bit -> blocks (maintained on every write: stats never walk ``held``).
     counts: dict[str, dict[int, int]] = field(default_factory=dict)
+    #: Bumped by every write that may change what a walk read: a removal, a drop, an eviction, or a store
+    #: to a key already present. A store of new keys only extends chains past where a walk stopped.
+    epoch: int = 0
+    #: Recent walks to continue, by a chain's first key: ``(epoch, len(keys), keys[-1], state)`` each.
+    walks: dict[int, list[tuple[int, int, int, WalkState]]] = field(default_factory=dict)
+
+    def resumable(self, keys: Sequence[int]) -> WalkState | None:
+        """The state of the longest recent walk over a prefix of ``keys`` (block keys chain their parents,
+        so equal last keys mean equal chains), if nothing it read has changed since."""
+        best: WalkState | None = None
+        depth = 0
+        n = len(keys)
+        for epoch, length, last, state in self.walks.get(keys[0], ()):
+            if epoch == self.epoch and depth < length <= n and keys[length - 1] == last:
+                best, depth = state, length
+        return best
+
+    def remember(self, keys: Sequence[int], state: WalkState) -> None:
+        entries = self.walks.get(keys[0])
+        if entries is None:
+            if len(self.walks) >= MAX_REMEMBERED_CHAINS:
+                del self.walks[next(iter(self.walks))]
+            entries = self.walks[keys[0]] = []
+        entry = (self.epoch, len(keys), keys[-1], state)
+        for k, (_, length, last, _) in enumerate(entries):  # the chain it extends (or repeats) gives way
+            if length <= len(keys) and keys[length - 1] == last:
+                entries[k] = entry
+                return
+        if len(entries) >= WALKS_PER_CHAIN:
+            entries.pop(0)
+        entries.append(entry)
 
     def slot_of(self, worker_id: str) -> int:
         slot = self.slots.get(worker_id)
@@ -48,6 +83,7 @@ class _Model:
         slot = self.slots.pop(worker_id, None)
         if slot is None:
             return
+        self.epoch += 1
         del self.owners[slot]
         self.counts.pop(worker_id, None)
         keep = ~(_BYTE << (slot * SLOT_BITS))
@@ -64,6 +100,7 @@ class _Model:
         """Forget the ``n`` oldest blocks (insertion order; a store of a held block refreshes it)."""
         blocks, owners, held, counts = self.blocks, self.owners, self.held, self.counts
         victims = list(itertools.islice(blocks, n))
+        self.epoch += 1
         for key in victims:
             value = blocks.pop(key)
             for slot in _slots_of(_lanes(value)):
@@ -108,28 +145,52 @@ def _slots_of(lanes: int) -> list[int]:
     return out
 
 
+#: Where a walk stopped, to continue it over a longer chain that shares its keys so far:
+#: ``(depth, done, per-slot counts, run starts, held bits, alive mask, last raw value, last masked value)``.
+#: ``done``: no slot holds the chain past ``depth`` (the counts are final). The counts are those before
+#: the open runs were credited.
+WalkState = tuple[int, bool, dict[int, list[int]], dict[int, int], dict[int, int], int, int, int]
+
+
 def walk_python(blocks: dict[int, int], keys: Sequence[int]) -> dict[int, list[int]]:
-    """Per slot ``[blocks, gpu, cpu, storage, remote]`` for the longest runs from the start of ``keys``.
+    """Per slot ``[blocks, gpu, cpu, storage, remote]`` for the longest runs from the start of ``keys``."""
+    return walk_from_python(blocks, keys)[0]
+
+
+def walk_from_python(
+    blocks: dict[int, int], keys: Sequence[int], resume: WalkState | None = None, keep: bool = False
+) -> tuple[dict[int, list[int]], WalkState | None]:
+    """:func:`walk_python`, continued from ``resume`` (a state this function returned for a chain whose
+    keys ``keys`` starts with, over a table that has not changed there since); with ``keep``, also the
+    state where this walk stopped (None: nobody holds the first key).
 
     Per block: one dict get and one int comparison while nothing changes. Where the value changes,
     only the slots whose byte changed are settled (``diff``), so the work is O(blocks + changes).
     """
     get = blocks.get
-    first = get(keys[0]) if keys else None
-    if not first:
-        return {}
-    result: dict[int, list[int]] = {}
-    start: dict[int, int] = {}
-    held: dict[int, int] = {}
-    for slot in _slots_of(_lanes(first)):
-        result[slot] = [0, 0, 0, 0, 0]
-        start[slot] = 0
-        held[slot] = (first >> (slot * SLOT_BITS)) & _BYTE
-    alive_full = _lanes(first) * _BYTE
-    prev_raw = prev = first
-    i = 0
-    for key in keys:
-        value = get(key)
+    n = len(keys)
+    if resume is None:
+        first = get(keys[0]) if keys else None
+        if not first:
+            return {}, None
+        result: dict[int, list[int]] = {}
+        start: dict[int, int] = {}
+        held: dict[int, int] = {}
+        for slot in _slots_of(_lanes(first)):
+            result[slot] = [0, 0, 0, 0, 0]
+            start[slot] = 0
+            held[slot] = (first >> (slot * SLOT_BITS)) & _BYTE
+        alive_full = _lanes(first) * _BYTE
+        prev_raw = prev = first
+        i = 0
+    else:
+        i, done, counts, starts, holding, alive_full, prev_raw, prev = resume
+        result = {slot: list(entry) for slot, entry in counts.items()}
+        if done:
+            return result, resume
+        start, held = dict(starts), dict(holding)
+    while i < n:
+        value = get(keys[i])
         if value == prev_raw:
             i += 1
             continue
@@ -150,12 +211,16 @@ def walk_python(blocks: dict[int, int], keys: Sequence[int]) -> dict[int, list[i
                     alive_full &= ~(_BYTE << (slot * SLOT_BITS))
             prev = value
             if not value:
-                return result
+                state: WalkState | None = (i, True, {s: list(e) for s, e in result.items()}, {}, {}, 0, 0, 0) if keep else None
+                return result, state
         i += 1
+    kept: WalkState | None = None
+    if keep:
+        kept = (i, False, {s: list(e) for s, e in result.items()}, dict(start), dict(held), alive_full, prev_raw, prev)
     for slot, bits in held.items():
         _credit(result[slot], i - start[slot], bits)
         result[slot][0] = i
-    return result
+    return result, kept
 
 
 def _credit(entry: list[int], run: int, bits: int) -> None:
@@ -169,16 +234,21 @@ def _credit(entry: list[int], run: int, bits: int) -> None:
 
 
 _Walk = Callable[[dict[int, int], Sequence[int]], dict[int, list[int]]]
+_WalkFrom = Callable[
+    [dict[int, int], Sequence[int], WalkState | None, bool], tuple[dict[int, list[int]], WalkState | None]
+]
 
 #: The walk lookups use: the compiled one (setup.py builds it) or, where it was not built, the Python one
 #: above, its reference. ``WALK`` says which (logged at start-up).
 walk: _Walk
+walk_from: _WalkFrom
 try:
     from kvroute.indexer._walk import walk as _compiled_walk
+    from kvroute.indexer._walk import walk_from as _compiled_walk_from
 
-    walk, WALK = _compiled_walk, "compiled"
+    walk, walk_from, WALK = _compiled_walk, _compiled_walk_from, "compiled"
 except ImportError:  # pragma: no cover - only where the extension could not be built
-    walk, WALK = walk_python, "python"
+    walk, walk_from, WALK = walk_python, walk_from_python, "python"
 
 
 class MemoryIndex(IndexBackend):
@@ -225,9 +295,12 @@ class MemoryIndex(IndexBackend):
             if op.kind == "store":
                 keys = op.keys if isinstance(op.keys, list) else list(op.keys)
                 tiers[bit] = tiers.get(bit, 0) + add_bits_counted(held, keys, bit)
-                if self.max_blocks is not None:
-                    for key in blocks.keys() & keys:  # stored again: the newest, evicted last
-                        blocks[key] = blocks.pop(key)
+                present = blocks.keys() & keys
+                if present:
+                    table.epoch += 1
+                    if self.max_blocks is not None:
+                        for key in present:  # stored again: the newest, evicted last
+                            blocks[key] = blocks.pop(key)
                 add_bits(blocks, keys, shifted)
             else:
                 for key in op.keys:
@@ -239,6 +312,7 @@ class MemoryIndex(IndexBackend):
                     else:
                         held[key] = old & ~bit
                     tiers[bit] -= 1
+                    table.epoch += 1
                     value = blocks[key] & ~shifted
                     if value:
                         blocks[key] = value
@@ -281,7 +355,10 @@ class MemoryIndex(IndexBackend):
             return {}
         owners = table.owners
         out: dict[str, WorkerMatch] = {}
-        for slot, (blocks, gpu, cpu, storage, remote) in walk(table.blocks, keys).items():
+        counts, state = walk_from(table.blocks, keys, table.resumable(keys), True)
+        if state is not None:
+            table.remember(keys, state)
+        for slot, (blocks, gpu, cpu, storage, remote) in counts.items():
             worker = owners.get(slot)
             if worker is not None and blocks > 0:
                 out[worker] = WorkerMatch(worker, blocks, gpu, cpu, storage, remote)
