@@ -211,8 +211,10 @@ def walk_from_python(
                     alive_full &= ~(_BYTE << (slot * SLOT_BITS))
             prev = value
             if not value:
-                state: WalkState | None = (i, True, {s: list(e) for s, e in result.items()}, {}, {}, 0, 0, 0) if keep else None
-                return result, state
+                finished: WalkState | None = None
+                if keep:
+                    finished = (i, True, {s: list(e) for s, e in result.items()}, {}, {}, 0, 0, 0)
+                return result, finished
         i += 1
     kept: WalkState | None = None
     if keep:
