@@ -9,21 +9,24 @@ from kvroute.vocabulary import Tier
 _GPU, _CPU = int(Tier.GPU), int(Tier.CPU)
 
 
-def add_bits(table: dict[int, int], keys: list[int], bit: int) -> None:
-    """``table[key] |= bit`` for every key; C-level dict updates for the keys not there yet."""
+def add_bits(table: dict[int, int], keys: list[int], bit: int) -> set[int]:
+    """``table[key] |= bit`` for every key; C-level dict updates for the keys not there yet. Returns the
+    keys that were there already."""
     get = table.get
     if len(keys) == 1:
         key = keys[0]
-        table[key] = get(key, 0) | bit
-        return
+        old = get(key)
+        table[key] = (old or 0) | bit
+        return set() if old is None else {key}
     common = table.keys() & keys
     if not common:
         table.update(dict.fromkeys(keys, bit))
-        return
+        return common
     olds = {key: get(key, 0) for key in common}
     table.update(dict.fromkeys(keys, bit))
     for key, old in olds.items():
         table[key] = old | bit
+    return common
 
 
 def add_bits_counted(table: dict[int, int], keys: list[int], bit: int) -> int:

@@ -297,13 +297,12 @@ class MemoryIndex(IndexBackend):
             if op.kind == "store":
                 keys = op.keys if isinstance(op.keys, list) else list(op.keys)
                 tiers[bit] = tiers.get(bit, 0) + add_bits_counted(held, keys, bit)
-                present = blocks.keys() & keys
+                present = add_bits(blocks, keys, shifted)
                 if present:
                     table.epoch += 1
                     if self.max_blocks is not None:
                         for key in present:  # stored again: the newest, evicted last
                             blocks[key] = blocks.pop(key)
-                add_bits(blocks, keys, shifted)
             else:
                 for key in op.keys:
                     old = held.get(key)
