@@ -10,6 +10,12 @@ beyond ``max_connections`` at once, before they cost anything. Slow bodies are b
 It also tells the app of a client that hangs up: each request's scope carries a list under
 :data:`~kvroute.router.http_body.DISCONNECT_CALLBACKS`, called when the connection is lost before the
 response is complete, so the app cancels the upstream request without a watcher task per request.
+
+And a response's head leaves with its first body bytes, in one write: uvicorn writes the status line and
+headers as soon as the app starts the response, then each body chunk, so every small answer cost two
+socket writes and woke the client twice (on a loaded host, each wake-up can preempt the router before
+the body goes out). :class:`HeadWithBody` holds the head until the body's first write in the same turn
+of the loop, or until the loop's next turn when none comes.
 """
 
 from __future__ import annotations
@@ -23,6 +29,51 @@ from kvroute.router.http_body import DISCONNECT_CALLBACKS
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 log = logging.getLogger("kvroute.http")
+
+
+class HeadWithBody:
+    """One response's view of the connection (what uvicorn's request cycle writes to): the first write after
+    the response started (its head) is held and goes out with the next write, or at the loop's next turn.
+    Everything else passes through; a close sends what is held first."""
+
+    __slots__ = ("_cycle", "_flush", "_head_seen", "_held", "_loop", "_transport")
+
+    def __init__(self, transport: asyncio.Transport, cycle: Any, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._cycle = cycle
+        self._head_seen = False
+        self._held: bytes | None = None
+        self._flush: asyncio.Handle | None = None
+
+    def write(self, data: bytes) -> None:
+        held = self._held
+        if held is not None:
+            self._held = None
+            assert self._flush is not None
+            self._flush.cancel()
+            self._transport.writelines((held, data))
+        elif not self._head_seen and self._cycle.response_started:  # uvicorn writes the head just after
+            self._head_seen = True
+            self._held = data
+            self._flush = self._loop.call_soon(self.flush)
+        else:
+            self._transport.write(data)
+
+    def flush(self) -> None:
+        held, self._held = self._held, None
+        if held is not None and not self._transport.is_closing():
+            self._transport.write(held)
+
+    def close(self) -> None:
+        if self._held is not None:
+            assert self._flush is not None
+            self._flush.cancel()
+            self.flush()
+        self._transport.close()
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
@@ -68,6 +119,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._disarm()
         cast(dict[str, Any], self.scope)[DISCONNECT_CALLBACKS] = []
         super().on_headers_complete()
+        cycle = self.cycle
+        if cycle is not None and cycle.scope is self.scope:  # the cycle just made (not an upgrade's return)
+            cycle.transport = cast(asyncio.Transport, HeadWithBody(self.transport, cycle, self.loop))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
