@@ -68,27 +68,48 @@ Done = Callable[[Result], None]
 
 
 class RawResponse(Response):
-    """A complete body with headers already encoded (skips Starlette's header handling)."""
+    """A complete body with headers already encoded (skips Starlette's header handling). ``after`` runs
+    once the body went out (or the send failed): what the client does not wait for comes after its answer."""
 
-    def __init__(self, body: bytes, status: int, raw_headers: list[tuple[bytes, bytes]]) -> None:
+    def __init__(
+        self,
+        body: bytes,
+        status: int,
+        raw_headers: list[tuple[bytes, bytes]],
+        after: Callable[[], None] | None = None,
+    ) -> None:
         self.body = body
         self.status_code = status
         self.background = None
         self.raw_headers = [*raw_headers, (b"content-length", str(len(body)).encode())]
+        self.after = after
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        await send({"type": "http.response.body", "body": self.body})
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            await send({"type": "http.response.body", "body": self.body})
+        finally:
+            after, self.after = self.after, None
+            if after is not None:
+                after()
 
 
 class RawStreamingResponse(StreamingResponse):
-    """Streams an async iterator with pre-encoded headers (chunked transfer)."""
+    """Streams an async iterator with pre-encoded headers (chunked transfer); ``after`` runs once the
+    stream's end went out (or the client left)."""
 
-    def __init__(self, content: AsyncIterator[bytes], status: int, raw_headers: list[tuple[bytes, bytes]]) -> None:
+    def __init__(
+        self,
+        content: AsyncIterator[bytes],
+        status: int,
+        raw_headers: list[tuple[bytes, bytes]],
+        after: Callable[[], None] | None = None,
+    ) -> None:
         self.body_iterator = content
         self.status_code = status
         self.background = None
         self.raw_headers = raw_headers
+        self.after = after
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Stream until the end or until the client hangs up; then the iterator's own ``finally`` closes
@@ -99,6 +120,10 @@ class RawStreamingResponse(StreamingResponse):
             await until_disconnect(receive, self.stream_response(send), scope)
         except ClientGone:
             log.debug("client left during a stream; upstream closed")
+        finally:
+            after, self.after = self.after, None
+            if after is not None:
+                after()
 
 
 class UsageSniffer:
@@ -270,15 +295,22 @@ class Forwarder:
         status = opened.upstream.status
         if opened.rest is None:
             self.registry.release(opened.worker_id)
-            done(Result(opened.worker_id, status, opened.ttfb_s, usage_of(opened.first), status < 400))
-            return RawResponse(opened.first, status, headers)
-        return RawStreamingResponse(self._stream(opened, done), status, headers)
+            result = Result(opened.worker_id, status, opened.ttfb_s, None, status < 400)
 
-    async def _stream(self, opened: Opened, done: Done) -> AsyncIterator[bytes]:
+            def report() -> None:  # after the answer went out: the client does not wait for the bookkeeping
+                result.usage = usage_of(opened.first)
+                done(result)
+
+            return RawResponse(opened.first, status, headers, report)
+        result = Result(opened.worker_id, status, opened.ttfb_s, ok=False)
+        # The report comes after the stream's last chunk went out, so the client's answer ends first.
+        return RawStreamingResponse(self._stream(opened, result), status, headers, lambda: done(result))
+
+    async def _stream(self, opened: Opened, result: Result) -> AsyncIterator[bytes]:
+        """The worker's stream to the client; ``result`` says how it went once it ended."""
         rest = opened.rest
         assert rest is not None
         sniffer = UsageSniffer()
-        result = Result(opened.worker_id, opened.upstream.status, opened.ttfb_s, ok=False)
         try:
             if opened.first:
                 sniffer.feed(opened.first)
@@ -305,4 +337,3 @@ class Forwarder:
                 await opened.upstream.aclose()
             self.registry.release(opened.worker_id)
             result.usage = sniffer.usage
-            done(result)
