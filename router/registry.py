@@ -129,11 +129,49 @@ class WorkerState:
         }
 
 
-def parse_vllm_metrics(text: str) -> WorkerLoad:
-    """Pick DESIGN §9's gauges and counters out of a Prometheus text page; unknown names are ignored."""
+#: Every family the scrape reads (``_total`` spellings come from the sample-name check below).
+_READ_FAMILIES = frozenset(
+    {*_SCRAPED, "vllm:cache_config_info", "vllm:prompt_tokens_cached_by_source"}
+    | {f"{name}_total" for name in (*_SCRAPED, "vllm:prompt_tokens_cached_by_source")}
+)
+
+
+def _metric_name(line: str, start: int = 0) -> str:
+    """The metric name a sample line (or a ``# TYPE``/``# HELP`` line from ``start``) begins with."""
+    end = len(line)
+    for stop in ("{", " ", "\t"):
+        cut = line.find(stop, start, end)
+        if cut >= 0:
+            end = cut
+    return line[start:end]
+
+
+def read_lines(text: str) -> str:
+    """The lines of a Prometheus text page that :func:`parse_vllm_metrics` reads: the samples, ``# TYPE``
+    and ``# HELP`` lines of the families it knows. An engine's page is mostly histograms it never reads
+    (buckets by the dozen per family and label set), and the text parser costs milliseconds per page, in
+    the event loop: filtered, it parses a few lines (measured in docs/design-notes.md). A line that does
+    not start with a plain metric name (quoted UTF-8 names) is kept: the parser decides."""
+    kept = []
+    for line in text.splitlines():
+        if not line:
+            continue
+        if line[0] == "#":
+            parts = line.split(None, 3)
+            if len(parts) >= 3 and parts[1] in ("TYPE", "HELP") and parts[2] in _READ_FAMILIES:
+                kept.append(line)
+        elif line[0] == "{" or _metric_name(line) in _READ_FAMILIES:
+            kept.append(line)
+    kept.append("")
+    return "\n".join(kept)
+
+
+def parse_vllm_metrics(text: str, *, whole_page: bool = False) -> WorkerLoad:
+    """Pick DESIGN §9's gauges and counters out of a Prometheus text page; unknown names are ignored.
+    ``whole_page``: parse every line, not only :func:`read_lines`' (the same result, slower)."""
     load = WorkerLoad(scraped_at=time.time())
     usage: list[float] = []
-    for family in text_string_to_metric_families(text):
+    for family in text_string_to_metric_families(text if whole_page else read_lines(text)):
         # Match on sample names: the parser names a counter's family with or without "_total"
         # depending on how the TYPE line spells it.
         for sample in family.samples:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from kvroute.config import WorkerConfig
 from kvroute.router.metrics import RouterMetrics
-from kvroute.router.registry import WorkerRegistry, parse_vllm_metrics
+from kvroute.router.registry import WorkerRegistry, parse_vllm_metrics, read_lines
 from kvroute.router.transport import HttpxTransport
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -44,6 +48,82 @@ def test_parse_vllm_metrics_sums_ranks_and_reads_block_size() -> None:
     assert (load.running, load.waiting, load.kv_usage) == (5.0, 4.0, 0.7)
     assert (load.prefix_queries, load.prefix_hits, load.block_size) == (100.0, 40.0, 32)
     assert load.num_gpu_blocks == 4000  # the smaller engine is what limits admission
+
+
+#: Families of an engine's page: those the scrape reads and look-alikes it must not (a longer name with
+#: a read one as its prefix, a histogram), each with its TYPE.
+_FAMILIES = [
+    ("vllm:num_requests_running", "gauge", ""),
+    ("vllm:num_requests_running_max", "gauge", ""),
+    ("vllm:kv_cache_usage_perc", "gauge", ""),
+    ("vllm:gpu_cache_usage_perc", "gauge", ""),
+    ("vllm:prefix_cache_queries", "counter", "_total"),
+    ("vllm:prefix_cache_hits", "counter", "_total"),
+    ("vllm:prefix_cache_hits_by_tier", "counter", "_total"),
+    ("vllm:prompt_tokens_cached_by_source", "counter", "_total"),
+    ("vllm:cache_config_info", "gauge", ""),
+    ("vllm:time_to_first_token_seconds", "histogram", "_bucket"),
+    ("vllm:num_requests_waiting", "gauge", ""),
+]
+_LABEL_VALUES = st.text(alphabet='ab 01{},="\\\n\t#', max_size=6)
+
+
+@st.composite
+def metric_pages(draw: st.DrawFn) -> str:
+    """A Prometheus text page: families in any order, samples with label values holding the characters
+    a line filter could trip on (braces, spaces, quotes, escapes, '#'), comments, blank lines."""
+    lines: list[str] = []
+    for name, kind, suffix in draw(st.lists(st.sampled_from(_FAMILIES), max_size=8, unique=True)):
+        if draw(st.booleans()):
+            lines.append(f"# HELP {name}{suffix if kind == 'counter' and draw(st.booleans()) else ''} some help text")
+        lines.append(f"# TYPE {name} {kind}")
+        for _ in range(draw(st.integers(0, 3))):
+            labels = {
+                "engine": draw(st.sampled_from(["0", "1"])),
+                "source": draw(st.sampled_from(["device", "host", "p2p"])),
+                "block_size": draw(st.sampled_from(["16", "32", "x"])),
+                "num_gpu_blocks": draw(st.sampled_from(["100", "4000"])),
+                "note": draw(_LABEL_VALUES),
+            }
+            if kind == "histogram":
+                labels["le"] = "+Inf"
+            text = ",".join(
+                f'{k}="{v.replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34)).replace(chr(10), "")}"'
+                for k, v in labels.items()
+            )
+            value = draw(st.integers(0, 10**6))
+            lines.append(f"{name}{suffix}{{{text}}} {value}.0" if draw(st.booleans()) else f"{name}{suffix} {value}")
+        if draw(st.booleans()):
+            lines.append("# a comment")
+        if draw(st.booleans()):
+            lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def _fields(load: object) -> dict[str, object]:
+    return {k: v for k, v in dataclasses.asdict(load).items() if k != "scraped_at"}  # type: ignore[call-overload]
+
+
+@settings(max_examples=300, deadline=None)
+@given(metric_pages())
+def test_the_filtered_page_reads_as_the_whole_page(page: str) -> None:
+    """Parsing only the lines :func:`read_lines` keeps gives what parsing every line gives."""
+    try:
+        whole = parse_vllm_metrics(page, whole_page=True)
+    except ValueError:  # a page the parser refuses whole (duplicate sample names in one family...)
+        return
+    assert _fields(parse_vllm_metrics(page)) == _fields(whole)
+
+
+def test_read_lines_keeps_only_the_read_families() -> None:
+    page = (
+        "# HELP vllm:num_requests_running Requests running.\n# TYPE vllm:num_requests_running gauge\n"
+        'vllm:num_requests_running{engine="0"} 2.0\n'
+        "# TYPE vllm:e2e_request_latency_seconds histogram\n"
+        'vllm:e2e_request_latency_seconds_bucket{le="0.3"} 1.0\n'
+        'vllm:num_requests_running_max{engine="0"} 9.0\n'
+    )
+    assert read_lines(page).splitlines() == page.splitlines()[:3]
 
 
 def test_health_hysteresis() -> None:

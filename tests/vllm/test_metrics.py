@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 
 import httpx
@@ -16,9 +17,13 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300, func_only=True)]
 
 
 async def scrape(http: httpx.AsyncClient, server: VllmServer) -> WorkerLoad:
+    """The page as the router reads it (only the lines it needs), checked against the whole page parsed."""
     resp = await http.get(f"{server.url}/metrics")
     assert resp.status_code == 200
-    return parse_vllm_metrics(resp.text)
+    load = parse_vllm_metrics(resp.text)
+    whole = parse_vllm_metrics(resp.text, whole_page=True)
+    assert dataclasses.replace(load, scraped_at=0.0) == dataclasses.replace(whole, scraped_at=0.0)
+    return load
 
 
 @pytest.mark.parametrize("which", [0, 1])
