@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -44,10 +45,17 @@ def latency_stats(latencies_s: list[float], elapsed_s: float, errors: int = 0) -
     )
 
 
-async def closed_loop(url: str, body: bytes, requests: int, concurrency: int, warmup: int = 200) -> Stats:
+async def closed_loop(
+    url: str,
+    body: bytes,
+    requests: int,
+    concurrency: int,
+    warmup: int = 200,
+    on_timed: Callable[[], None] | None = None,
+) -> Stats:
     """``requests`` POSTs of ``body`` to ``url`` from ``concurrency`` clients, each sending its next request
-    when its answer is in; ``warmup`` sequential requests first (connections, caches). A non-200 answer
-    or a broken connection is an error, kept out of the latencies."""
+    when its answer is in; ``warmup`` sequential requests first (connections, caches), then ``on_timed()``.
+    A non-200 answer or a broken connection is an error, kept out of the latencies."""
     latencies: list[float] = []
     errors = 0
     connector = aiohttp.TCPConnector(limit=concurrency, limit_per_host=0)
@@ -65,6 +73,8 @@ async def closed_loop(url: str, body: bytes, requests: int, concurrency: int, wa
 
         for _ in range(min(warmup, requests)):
             await one()
+        if on_timed is not None:
+            on_timed()
         remaining = requests
 
         async def client() -> None:

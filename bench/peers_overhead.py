@@ -30,8 +30,11 @@ Scenarios, from an aiohttp client in this process (``loadgen.py``):
 
 "Added" = the target's p50 (p99) minus direct's in the same round; a cell is the median over rounds
 (min-max spread in the JSON). Ratios: to direct, and to the best peer (the lowest added latency, the
-highest requests/s). Output under ``--work``: ``peers_overhead.json``, ``peers_overhead.md``,
-``peers_overhead.png`` (and ``--chart`` for a copy); with ``--profile``, ``profile-<router>-<scenario>.md``.
+highest requests/s). "CPU ms/req": the router process's CPU time (all its threads and children) over the
+timed requests, per request: its own work, KV events included, steadier than latency on a shared machine
+(the other routers are idle meanwhile, so theirs is not counted). Output under ``--work``:
+``peers_overhead.json``, ``peers_overhead.md``, ``peers_overhead.png`` (and ``--chart`` for a copy); with
+``--profile``, ``profile-<router>-<scenario>.md``.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -114,13 +118,18 @@ def repeated_bodies(model: str, key: str, tokens: int, steps: int, answer: int) 
     return [orjson.dumps({**body, "stream_options": {"include_usage": True}})] * (steps + 1)
 
 
-async def grow(base: str, bodies: list[bytes]) -> tuple[Stats, dict[str, Any]]:
-    """The bodies one after the other; TTFT stats over all but the first, with e2e and prompt sizes."""
+async def grow(
+    base: str, bodies: list[bytes], on_timed: Callable[[], None] | None = None
+) -> tuple[Stats, dict[str, Any]]:
+    """The bodies one after the other; TTFT stats over all but the first (``on_timed()`` after that one),
+    with e2e and prompt sizes."""
     url = base + "/v1/chat/completions"
     ttft, e2e, prompt, errors = [], [], [], 0
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
         first = await stream_once(session, url, bodies[0])
         errors += not first.ok
+        if on_timed is not None:
+            on_timed()
         start = time.perf_counter()
         for body in bodies[1:]:
             got = await stream_once(session, url, body)
@@ -140,18 +149,64 @@ async def grow(base: str, bodies: list[bytes]) -> tuple[Stats, dict[str, Any]]:
     return latency_stats(ttft, elapsed, errors), extra
 
 
-def measure(base: str, scenario: Scenario, model: str, key: str, args: argparse.Namespace) -> dict[str, Any]:
+class ProcessCpu:
+    """CPU time of a process and its descendants (every thread), from ``/proc/<pid>/task/*/schedstat`` (ns):
+    the router's work per request, which on a shared machine varies far less than its latency does."""
+
+    def __init__(self, pid: int | None) -> None:
+        self.pid = pid
+        self.began: float | None = None
+
+    def _tree(self) -> list[int]:
+        assert self.pid is not None
+        children: dict[int, list[int]] = {}
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                with contextlib.suppress(OSError, ValueError, IndexError):
+                    ppid = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
+                    children.setdefault(ppid, []).append(int(entry.name))
+        out, todo = [], [self.pid]
+        while todo:
+            pid = todo.pop()
+            out.append(pid)
+            todo += children.get(pid, [])
+        return out
+
+    def seconds(self) -> float:
+        total = 0
+        for pid in self._tree():
+            with contextlib.suppress(OSError):
+                for task in Path(f"/proc/{pid}/task").iterdir():
+                    with contextlib.suppress(OSError, ValueError):
+                        total += int((task / "schedstat").read_text().split()[0])
+        return total / 1e9
+
+    def start(self) -> None:
+        if self.pid is not None:
+            self.began = self.seconds()
+
+    def ms_per(self, requests: int) -> float:
+        if self.pid is None or self.began is None or not requests:
+            return float("nan")
+        return (self.seconds() - self.began) * 1e3 / requests
+
+
+def measure(
+    base: str, scenario: Scenario, model: str, key: str, args: argparse.Namespace, pid: int | None = None
+) -> dict[str, Any]:
+    """One cell; with ``pid`` (the router's), also its CPU milliseconds per timed request."""
+    cpu = ProcessCpu(pid)
     if scenario.kind == "small":
-        stats = asyncio.run(
-            closed_loop(base + "/v1/completions", small_body(model), args.requests, scenario.concurrency)
-        )
-        return asdict(stats)
+        url = base + "/v1/completions"
+        body = small_body(model)
+        stats = asyncio.run(closed_loop(url, body, args.requests, scenario.concurrency, on_timed=cpu.start))
+        return {**asdict(stats), "cpu_ms_per_req": cpu.ms_per(stats.requests + stats.errors)}
     if scenario.kind == "cached":
         bodies = repeated_bodies(model, key, scenario.prefix_tokens, args.steps, args.max_tokens)
     else:
         bodies = growing_bodies(model, key, scenario.prefix_tokens, args.steps, args.step_tokens, args.max_tokens)
-    stats, extra = asyncio.run(grow(base, bodies))
-    return {**asdict(stats), **extra}
+    got, extra = asyncio.run(grow(base, bodies, on_timed=cpu.start))
+    return {**asdict(got), **extra, "cpu_ms_per_req": cpu.ms_per(got.requests + got.errors)}
 
 
 # -- the profile ----------------------------------------------------------------------------------------------------
@@ -254,6 +309,10 @@ def cells_of(runs: list[dict[str, Any]], names: list[str], scens: list[Scenario]
             cell: dict[str, Any] = {"scenario": s.name, "target": name, "rounds": len(mine)}
             for key in ("p50_ms", "p99_ms", "rps"):
                 cell[key] = statistics.median(r[key] for r in mine)
+            # NaN (never equal to itself): no process measured (direct)
+            cpu = [v for r in mine if (v := r.get("cpu_ms_per_req")) is not None and v == v]
+            if cpu:
+                cell["cpu_ms_per_req"] = statistics.median(cpu)
             for key, values in added.items():
                 if values:
                     cell["added_" + key] = statistics.median(values)
@@ -288,6 +347,10 @@ def add_ratios(cells: list[dict[str, Any]]) -> None:
             fastest = max(peers, key=lambda c: c["rps"])
             cell["rps_vs_best_peer"] = cell["rps"] / fastest["rps"]
             cell["best_peer_rps"] = fastest["target"]
+        frugal = [c for c in group if is_peer(c["target"]) and "cpu_ms_per_req" in c]
+        if frugal and "cpu_ms_per_req" in cell:
+            least = min(frugal, key=lambda c: c["cpu_ms_per_req"])
+            cell["cpu_vs_best_peer"] = cell["cpu_ms_per_req"] / least["cpu_ms_per_req"]
 
 
 def _num(cell: dict[str, Any], key: str, fmt: str) -> str:
@@ -297,13 +360,14 @@ def _num(cell: dict[str, Any], key: str, fmt: str) -> str:
 
 def markdown(cells: list[dict[str, Any]]) -> str:
     head = ["scenario", "target", "p50 ms", "p99 ms", "req/s", "+p50 ms", "+p99 ms", "p50 ÷ direct"]
-    head += ["req/s ÷ direct", "+p50 ÷ best peer", "req/s ÷ best peer", "errors"]
+    head += ["req/s ÷ direct", "+p50 ÷ best peer", "req/s ÷ best peer", "CPU ms/req", "CPU ÷ best peer", "errors"]
     lines = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
     for c in cells:
         row = [c["scenario"], c["target"], _num(c, "p50_ms", "{:.2f}"), _num(c, "p99_ms", "{:.2f}")]
         row += [_num(c, "rps", "{:.0f}"), _num(c, "added_p50_ms", "{:+.2f}"), _num(c, "added_p99_ms", "{:+.2f}")]
         row += [_num(c, "p50_x_direct", "{:.2f}x"), _num(c, "rps_x_direct", "{:.2f}x")]
         row += [_num(c, "added_p50_vs_best_peer", "{:.2f}x"), _num(c, "rps_vs_best_peer", "{:.2f}x")]
+        row += [_num(c, "cpu_ms_per_req", "{:.3f}"), _num(c, "cpu_vs_best_peer", "{:.2f}x")]
         row.append(str(c["errors"]))
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
@@ -477,26 +541,28 @@ def main(argv: list[str] | None = None) -> int:
             measure(direct, s, model, f"warm-up/{s.name}", warm)
         with contextlib.ExitStack() as stack:
             bases = {DIRECT: direct}
+            pids: dict[str, int] = {}
             for name in args.routers:
                 try:
-                    bases[name] = stack.enter_context(router_process(ROUTERS[name], config, logs, exes)).base
+                    started = stack.enter_context(router_process(ROUTERS[name], config, logs, exes))
+                    bases[name], pids[name] = started.base, started.pid
                 except Exception as exc:  # a router that does not start must not lose the others
                     error = f"{type(exc).__name__}: {exc}"[:2000]
                     print(f"  {name} did not start: {error[:300]}", file=sys.stderr, flush=True)
                     runs.append({"round": 0, "target": name, "failed": error})
             if args.baseline:
                 running = stack.enter_context(kvroute_process("kvaware", config, logs, args.baseline, "-baseline"))
-                bases[BASELINE] = running.base
+                bases[BASELINE], pids[BASELINE] = running.base, running.pid
             for rnd in range(args.repeats):
                 for s in scens:
                     live = [n for n in names if n in bases]
                     for name in live[rnd % len(live) :] + live[: rnd % len(live)]:
-                        row = measure(bases[name], s, model, f"r{rnd}/{name}/{s.name}", args)
+                        row = measure(bases[name], s, model, f"r{rnd}/{name}/{s.name}", args, pids.get(name))
                         runs.append({"round": rnd, "target": name, "scenario": s.name, **row})
                         print(
                             f"[{time.monotonic() - began:5.0f} s] round {rnd + 1}/{args.repeats} {s.name:<10} "
                             f"{name:<24} p50 {row['p50_ms']:8.3f} ms  p99 {row['p99_ms']:8.3f} ms  "
-                            f"{row['rps']:7.0f} req/s  {row['errors']} errors",
+                            f"{row['rps']:7.0f} req/s  CPU {row['cpu_ms_per_req']:6.3f} ms/req  {row['errors']} errors",
                             flush=True,
                         )
                     out_json.write_text(json.dumps({**meta, "runs": runs}, indent=1, default=str))
