@@ -260,12 +260,24 @@ def _tool_calls(calls: list[Any], where: str) -> list[Any]:
     return out
 
 
+#: Roles whose message, with text content and no other field, the general path below copies as it is.
+_PLAIN_ROLES = frozenset({"user", "assistant"})
+
+
 def conversation(messages: Sequence[Any], fmt: ContentFormat) -> list[dict[str, Any]]:
     """vLLM's ``parse_chat_messages`` for text-only messages: what the chat template iterates over."""
     if not isinstance(messages, Sequence) or isinstance(messages, str | bytes):
         raise TokenizeError("messages must be a list of objects")
     out: list[dict[str, Any]] = []
     for i, message in enumerate(messages):
+        # Most of an agent's history: a plain dict of a user or assistant role and text, nothing else.
+        if type(message) is dict and len(message) == 2:
+            role, content = message.get("role"), message.get("content")
+            if role in _PLAIN_ROLES and type(content) is str:
+                out.append(
+                    {"role": role, "content": content if fmt == "string" else [{"type": "text", "text": content}]}
+                )
+                continue
         if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
             raise TokenizeError(f"messages[{i}] must be an object with a string role")
         role = message["role"]

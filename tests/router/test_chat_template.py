@@ -4,9 +4,15 @@ hands the template, or what transformers renders, for that input."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
+from typing import Any
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from kvroute.router.chat_prompt import (
     ChatPrompt,
+    ContentFormat,
     TokenizeError,
     Unrenderable,
     chat_tools,
@@ -123,6 +129,47 @@ def test_the_conversation_vllm_builds_for_a_string_template() -> None:
     assert messages[3]["tool_calls"][0]["function"]["arguments"] == '{"k": [1, 2]}'  # the client's body untouched
     assert "tool_calls" not in out[4]
     assert out[5] == {"role": "tool", "content": "42", "tool_call_id": "1"}
+
+
+class _Message(Mapping[str, Any]):
+    """A message that is a mapping but not a dict: :func:`conversation` takes its general path."""
+
+    def __init__(self, fields: dict[str, Any]) -> None:
+        self._fields = fields
+
+    def __getitem__(self, key: str) -> Any:
+        return self._fields[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._fields)
+
+    def __len__(self) -> int:
+        return len(self._fields)
+
+
+_MESSAGE_FIELDS = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "assistant", "system", "tool", "developer", "other"])},
+    optional={
+        "content": st.one_of(st.none(), st.text(max_size=4), st.just([{"type": "text", "text": "p"}])),
+        "name": st.sampled_from(["n", 3]),
+        "tool_call_id": st.just("1"),
+        "extra": st.just("dropped"),
+    },
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_MESSAGE_FIELDS, max_size=6), st.sampled_from(["string", "openai"]))
+def test_the_plain_message_shortcut_builds_what_the_general_path_builds(
+    fields: list[dict[str, Any]], fmt: ContentFormat
+) -> None:
+    try:
+        general = conversation([_Message(f) for f in fields], fmt)
+    except TokenizeError as exc:
+        with pytest.raises(type(exc)):
+            conversation(fields, fmt)
+        return
+    assert conversation(fields, fmt) == general
 
 
 def test_the_conversation_for_an_openai_template_keeps_parts() -> None:
