@@ -462,7 +462,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--routers", help=f"comma-separated, of {', '.join(ROUTERS)} (default {','.join(DEFAULT_ROUTERS)})")
     ap.add_argument("--repeats", type=int, help="interleaved rounds, medians over them (default 3; --quick 1)")
     ap.add_argument("--requests", type=int, help="small requests per cell (default 3000; --quick 100)")
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 32], help="clients of the small cases")
+    ap.add_argument(
+        "--concurrency", type=int, nargs="*", default=[1, 32], help="clients of the small cases (none: skip them)"
+    )
     ap.add_argument("--prefix-tokens", type=int, nargs="+", help="growing cases' prefixes (default 8192 32768)")
     ap.add_argument(
         "--cached-tokens", type=int, nargs="*", help="cached cases' prompt sizes (default 1024; none: skip them)"
