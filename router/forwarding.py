@@ -67,6 +67,16 @@ class Result:
 Done = Callable[[Result], None]
 
 
+def _run_after(response: RawResponse | RawStreamingResponse) -> None:
+    """A response's ``after``, once; a failure there is logged, never the client's problem (its answer is out)."""
+    after, response.after = response.after, None
+    if after is not None:
+        try:
+            after()
+        except Exception:
+            log.exception("the bookkeeping after an answer failed")
+
+
 class RawResponse(Response):
     """A complete body with headers already encoded (skips Starlette's header handling). ``after`` runs
     once the body went out (or the send failed): what the client does not wait for comes after its answer."""
@@ -89,9 +99,7 @@ class RawResponse(Response):
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             await send({"type": "http.response.body", "body": self.body})
         finally:
-            after, self.after = self.after, None
-            if after is not None:
-                after()
+            _run_after(self)
 
 
 class RawStreamingResponse(StreamingResponse):
@@ -121,9 +129,7 @@ class RawStreamingResponse(StreamingResponse):
         except ClientGone:
             log.debug("client left during a stream; upstream closed")
         finally:
-            after, self.after = self.after, None
-            if after is not None:
-                after()
+            _run_after(self)
 
 
 class UsageSniffer:

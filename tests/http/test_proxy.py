@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 
 import httpx
@@ -85,6 +86,41 @@ async def test_outcome_reports_usage_for_json_and_sse(two_workers, client: httpx
     assert streamed.ttft_s is not None and streamed.ttft_s > 0
     assert no_usage.cached_tokens is None and no_usage.ok
     assert plain.plan.prefill == w1.url.removeprefix("http://")
+
+
+async def test_a_failing_report_after_the_answer_costs_the_client_nothing(two_workers) -> None:
+    """The report runs after the answer went out: the answer is whole, and the kept-alive connection
+    serves the next request (one raw connection: a closed one would not answer the second request)."""
+    w1, _ = two_workers
+    reports: list[object] = []
+
+    def failing_report(decision: object, result: object) -> None:  # a bug in the bookkeeping
+        reports.append(result)
+        raise RuntimeError("report failed")
+
+    body = orjson.dumps(COMPLETION)
+    request = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    async with run_router([w1.url]) as (url, app):
+        app.state.kvroute.flow.report = failing_report
+        host, _, port = url.removeprefix("http://").partition(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
+            for _ in range(3):
+                writer.write(request)
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+                assert head.startswith(b"HTTP/1.1 200 ")
+                length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+                assert orjson.loads(await asyncio.wait_for(reader.readexactly(length), 10))["choices"]
+        finally:
+            writer.close()
+        async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
+            stream = {**COMPLETION, "stream": True, "stream_options": {"include_usage": True}}
+            streamed = await client.post(url + "/v1/completions", json=stream)
+    assert streamed.status_code == 200 and streamed.content.endswith(b"data: [DONE]\n\n")
+    assert len(reports) == 4  # every report ran (and failed)
 
 
 async def test_models_union_and_routing_by_model(client: httpx.AsyncClient) -> None:
