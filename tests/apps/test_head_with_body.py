@@ -7,6 +7,7 @@ real asyncio transport, behind a proxy that notes what every write call carried 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -90,13 +91,22 @@ async def server() -> AsyncIterator[Server]:
         yield Server(host, int(port), writes)
 
 
+@contextlib.asynccontextmanager
+async def connected(server: Server) -> AsyncIterator[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
+    """A raw connection to ``server``, closed after."""
+    reader, writer = await asyncio.open_connection(server.host, server.port)
+    try:
+        yield reader, writer
+    finally:
+        writer.close()
+
+
 def request(path: str, extra: bytes = b"") -> bytes:
     return b"GET " + path.encode() + b" HTTP/1.1\r\nHost: t\r\n" + extra + b"\r\n"
 
 
 async def test_head_and_body_leave_in_one_write(server: Server) -> None:
-    reader, writer = await asyncio.open_connection(server.host, server.port)
-    try:
+    async with connected(server) as (reader, writer):
         for _ in range(3):  # on a kept-alive connection too: every response's head is held for its body
             writer.write(request("/now"))
             first = await asyncio.wait_for(reader.read(65536), 5)  # waiting in recv when the server writes
@@ -105,25 +115,19 @@ async def test_head_and_body_leave_in_one_write(server: Server) -> None:
         assert len(server.writes) == 3 and all(
             w.startswith(b"HTTP/1.1 200 OK\r\n") and w.endswith(BODY) for w in server.writes
         )
-    finally:
-        writer.close()
 
 
 async def test_a_head_without_body_yet_is_not_held(server: Server) -> None:
-    reader, writer = await asyncio.open_connection(server.host, server.port)
-    try:
+    async with connected(server) as (reader, writer):
         writer.write(request("/later"))
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 0.4)  # long before the body
         assert head.startswith(b"HTTP/1.1 200 OK\r\n") and b"content-length: 11" in head
         assert await asyncio.wait_for(reader.readexactly(len(BODY)), 5) == BODY
         assert server.writes == [head, BODY]
-    finally:
-        writer.close()
 
 
 async def test_streamed_chunks_arrive_whole_and_in_order(server: Server) -> None:
-    reader, writer = await asyncio.open_connection(server.host, server.port)
-    try:
+    async with connected(server) as (reader, writer):
         writer.write(request("/stream"))
         data = b""
         while not data.endswith(b"0\r\n\r\n"):
@@ -134,13 +138,10 @@ async def test_streamed_chunks_arrive_whole_and_in_order(server: Server) -> None
         assert (
             server.writes[0] == head + b"\r\n\r\n4\r\none,\r\n" and len(server.writes) == 4
         )  # the head with the first chunk
-    finally:
-        writer.close()
 
 
 async def test_continue_goes_out_before_the_body_is_sent(server: Server) -> None:
-    reader, writer = await asyncio.open_connection(server.host, server.port)
-    try:
+    async with connected(server) as (reader, writer):
         writer.write(
             b"POST /read HTTP/1.1\r\nHost: t\r\nContent-Length: 5\r\nExpect: 100-continue\r\n\r\n"
         )  # no body until the server says so
@@ -149,17 +150,12 @@ async def test_continue_goes_out_before_the_body_is_sent(server: Server) -> None
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
         assert head.startswith(b"HTTP/1.1 200 OK\r\n")
         assert await asyncio.wait_for(reader.readexactly(5), 5) == b"hello"
-    finally:
-        writer.close()
 
 
 async def test_connection_close_sends_the_held_head_first(server: Server) -> None:
-    reader, writer = await asyncio.open_connection(server.host, server.port)
-    try:
+    async with connected(server) as (reader, writer):
         writer.write(request("/now", b"Connection: close\r\n"))
         data = await asyncio.wait_for(reader.read(), 5)  # to the server's close
         assert data.startswith(b"HTTP/1.1 200 OK\r\n") and b"connection: close" in data
         assert data.endswith(b"\r\n\r\n" + BODY)
         assert server.writes == [data]
-    finally:
-        writer.close()
