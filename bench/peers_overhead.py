@@ -124,7 +124,7 @@ async def grow(
     """The bodies one after the other; TTFT stats over all but the first (``on_timed()`` after that one),
     with e2e and prompt sizes."""
     url = base + "/v1/chat/completions"
-    ttft, e2e, prompt, errors = [], [], [], 0
+    ttft, e2e, prompt, cached, errors = [], [], [], [], 0
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
         first = await stream_once(session, url, bodies[0])
         errors += not first.ok
@@ -137,6 +137,7 @@ async def grow(
                 ttft.append(got.ttft_s)
                 e2e.append(got.e2e_s)
                 prompt.append(got.prompt_tokens)
+                cached.append(got.cached_tokens)
             else:
                 errors += 1
         elapsed = time.perf_counter() - start
@@ -144,6 +145,8 @@ async def grow(
         "e2e_p50_ms": statistics.median(e2e) * 1e3 if e2e else float("nan"),
         "prompt_tokens_first": prompt[0] if prompt else 0,
         "prompt_tokens_last": prompt[-1] if prompt else 0,
+        # Where the router put each step: a step sent away from its prefix is computed again.
+        "cached_share": sum(cached) / sum(prompt) if prompt and sum(prompt) else float("nan"),
         "warmup_error": first.error if not first.ok else None,
     }
     return latency_stats(ttft, elapsed, errors), extra
@@ -373,9 +376,12 @@ def markdown(cells: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def verdicts(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The issue's targets, for each kvroute policy measured, where the peer they compare with ran."""
+def verdicts(cells: list[dict[str, Any]], runs: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """The issue's targets, for each kvroute policy measured, where the peer they compare with ran; with the
+    ``runs``, also the comparison paired by round (the same minute of the machine): the median over rounds
+    of the difference (latency) or the ratio (req/s), and how many rounds it was met in."""
     got = {(c["scenario"], c["target"]): c for c in cells}
+    by = {(r["round"], r["scenario"], r["target"]): r for r in runs or [] if "failed" not in r}
     out: list[dict[str, Any]] = []
 
     def check(target: str, scen: str, mine: str, peer: str, key: str, factor: float, higher: bool) -> None:
@@ -385,6 +391,16 @@ def verdicts(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
         met = a >= factor * b if higher else a <= factor * b
         out.append({"target": target, "scenario": scen, "router": mine, "peer": peer, key: a, "peer_value": b})
         out[-1].update(met=met, margin=a - factor * b, ratio=a / b if b else float("nan"))
+        raw = "rps" if higher else "p50_ms"  # per round, direct cancels out of a difference of added p50s
+        pairs = [
+            (r[raw], by[(rd, sc, peer)][raw])
+            for (rd, sc, t), r in by.items()
+            if sc == scen and t == mine and (rd, sc, peer) in by
+        ]
+        if pairs:
+            paired = [x / y if higher else x - y for x, y in pairs if not higher or y]
+            wins = sum(x >= factor * y if higher else x <= factor * y for x, y in pairs)
+            out[-1].update(paired=statistics.median(paired), rounds_met=wins, rounds=len(pairs))
 
     for scen in dict.fromkeys(c["scenario"] for c in cells):
         for mine in ("kvaware", "round_robin"):
@@ -402,9 +418,13 @@ def verdict_lines(found: list[dict[str, Any]]) -> list[str]:
     for v in found:
         key = "rps" if "rps" in v else "added_p50_ms"
         unit = "req/s" if key == "rps" else "ms"
+        paired = ""
+        if "paired" in v:
+            what = f"{v['paired']:.2f}x" if key == "rps" else f"{v['paired']:+.2f} ms"
+            paired = f"; paired by round: median {what}, met in {v['rounds_met']} of {v['rounds']} rounds"
         lines.append(
             f"- {v['scenario']}, {v['router']}: {v['target']}: {v[key]:.2f} vs {v['peer_value']:.2f} {unit} "
-            f"({v['ratio']:.2f}x, margin {v['margin']:+.2f} {unit}): {'met' if v['met'] else 'NOT met'}"
+            f"({v['ratio']:.2f}x, margin {v['margin']:+.2f} {unit}): {'met' if v['met'] else 'NOT met'}{paired}"
         )
     return lines
 
@@ -571,7 +591,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.profile or []:  # the other routers stopped
             profiles.append(profile_router(config, logs, model, next(s for s in scens if s.name == name), args))
     cells = cells_of(runs, names, scens)
-    found = verdicts(cells)
+    found = verdicts(cells, runs)
     failed = [r for r in runs if "failed" in r]
     data = {**meta, "runs": runs, "cells": cells, "targets": found, "profiles": profiles}
     out_json.write_text(json.dumps(data, indent=1, default=str))
