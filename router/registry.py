@@ -129,21 +129,21 @@ class WorkerState:
         }
 
 
-#: Every family the scrape reads (``_total`` spellings come from the sample-name check below).
+#: Every name the scrape reads, as ``# TYPE`` lines and samples spell it (a counter with and without ``_total``).
 _READ_FAMILIES = frozenset(
     {*_SCRAPED, "vllm:cache_config_info", "vllm:prompt_tokens_cached_by_source"}
     | {f"{name}_total" for name in (*_SCRAPED, "vllm:prompt_tokens_cached_by_source")}
 )
 
 
-def _metric_name(line: str, start: int = 0) -> str:
-    """The metric name a sample line (or a ``# TYPE``/``# HELP`` line from ``start``) begins with."""
+def _metric_name(line: str) -> str:
+    """The metric name a sample line begins with (up to its labels or its value)."""
     end = len(line)
     for stop in ("{", " ", "\t"):
-        cut = line.find(stop, start, end)
+        cut = line.find(stop, 0, end)
         if cut >= 0:
             end = cut
-    return line[start:end]
+    return line[:end]
 
 
 def read_lines(text: str) -> str:
