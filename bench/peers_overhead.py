@@ -64,6 +64,7 @@ from kvroute.experiment import FleetSpec, fleet_process
 from kvroute.report import pyplot, save_figure
 from loadgen import Stats, closed_loop, latency_stats, stream_once
 from peers import PEERS, ROUTERS, Router, ensure_peer, kvroute_process, router_process
+from procstat import tree_cpu_s
 
 DEFAULT_ROUTERS = ("kvaware", "round_robin", "smg:cache_aware", "vllm-router:cache_aware")
 DIRECT = "direct"
@@ -153,45 +154,21 @@ async def grow(
 
 
 class ProcessCpu:
-    """CPU time of a process and its descendants (every thread), from ``/proc/<pid>/task/*/schedstat`` (ns):
-    the router's work per request, which on a shared machine varies far less than its latency does."""
+    """The CPU time a router process (its threads and children) spends from :meth:`start` on: its work per
+    request, which on a shared machine varies far less than its latency does."""
 
     def __init__(self, pid: int | None) -> None:
         self.pid = pid
         self.began: float | None = None
 
-    def _tree(self) -> list[int]:
-        assert self.pid is not None
-        children: dict[int, list[int]] = {}
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit():
-                with contextlib.suppress(OSError, ValueError, IndexError):
-                    ppid = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
-                    children.setdefault(ppid, []).append(int(entry.name))
-        out, todo = [], [self.pid]
-        while todo:
-            pid = todo.pop()
-            out.append(pid)
-            todo += children.get(pid, [])
-        return out
-
-    def seconds(self) -> float:
-        total = 0
-        for pid in self._tree():
-            with contextlib.suppress(OSError):
-                for task in Path(f"/proc/{pid}/task").iterdir():
-                    with contextlib.suppress(OSError, ValueError):
-                        total += int((task / "schedstat").read_text().split()[0])
-        return total / 1e9
-
     def start(self) -> None:
         if self.pid is not None:
-            self.began = self.seconds()
+            self.began = tree_cpu_s(self.pid)
 
     def ms_per(self, requests: int) -> float:
         if self.pid is None or self.began is None or not requests:
             return float("nan")
-        return (self.seconds() - self.began) * 1e3 / requests
+        return (tree_cpu_s(self.pid) - self.began) * 1e3 / requests
 
 
 def measure(

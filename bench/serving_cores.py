@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from procstat import tree_cpu_s
 from proxy_overhead import UPSTREAM, Stats, free_port, load, stop, wait_port
 
 HERE = Path(__file__).resolve().parent
@@ -49,30 +50,6 @@ class Target:
     proc: subprocess.Popen[bytes] | None = None
     runs: list[Stats] = field(default_factory=list)
     cpu_ms: list[float] = field(default_factory=list)
-
-
-def tree_cpu_s(root: int) -> float:
-    """User + system CPU seconds of ``root`` and every process below it (from /proc; 0 elsewhere)."""
-    parents: dict[int, int] = {}
-    times: dict[int, float] = {}
-    tick = os.sysconf("SC_CLK_TCK")
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        parents[int(entry.name)] = int(fields[1])
-        times[int(entry.name)] = (int(fields[11]) + int(fields[12])) / tick
-    total = 0.0
-    for pid, cpu in times.items():
-        node = pid
-        while node > 1 and node != root:
-            node = parents.get(node, 0)
-        if node == root:
-            total += cpu
-    return total
 
 
 def wait_children(url: str, processes: int, timeout_s: float = 120.0) -> None:

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import shutil
@@ -51,6 +50,7 @@ import yaml
 from kvroute.experiment import FleetSpec, answers_ok, fleet_process, free_port, process, wait_until_ready
 from kvroute.report import pyplot, save_figure
 from kvroute.sim.replay import percentile
+from procstat import process_tree
 from prometheus_client.parser import text_string_to_metric_families
 from soak_load import Load, Mix, Outcome, Workload
 
@@ -80,17 +80,6 @@ sys.exit(main(sys.argv[1:]))
 
 
 # -- one process's figures --------------------------------------------------------------------------------------------
-
-
-def process_tree(pid: int) -> list[int]:
-    """``pid`` and its descendants (a router started with ``--processes N`` serves from children)."""
-    tree, i = [pid], 0
-    while i < len(tree):
-        for task in Path(f"/proc/{tree[i]}/task").glob("*/children"):
-            with contextlib.suppress(OSError):
-                tree.extend(int(child) for child in task.read_text().split())
-        i += 1
-    return tree
 
 
 def proc_status(pid: int) -> dict[str, float]:
