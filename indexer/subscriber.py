@@ -33,7 +33,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import zmq
 import zmq.asyncio
@@ -64,9 +64,9 @@ from kvroute.indexer.sockets import (
     RECV_HWM,
     ZAP_ENDPOINT,
     Admission,
+    Inbox,
     WorkerSpec,
     bind_when_free,
-    drain,
     rank_endpoint,
     reconnect,
     sub_socket,
@@ -163,7 +163,7 @@ class EventSubscriber:
         self._feeds: dict[str, Feed] = {}
         self._topics: dict[bytes, str] = {}
         self._tasks: dict[str, list[asyncio.Task[None]]] = {}
-        self._bound: zmq.asyncio.Socket | None = None
+        self._bound: zmq.Socket[bytes] | None = None
         self._bound_task: asyncio.Task[None] | None = None
         self._reconcile_task: asyncio.Task[None] | None = None
         #: The ZAP domain of the bound socket when it has an admission policy.
@@ -263,7 +263,7 @@ class EventSubscriber:
         if self.indexer.maintenance is None:
             self._maintenance = self.indexer.start_maintenance(self.grace_s, self.refresh_s)
 
-    async def _secure_bound(self, sock: zmq.asyncio.Socket) -> None:
+    async def _secure_bound(self, sock: zmq.Socket[bytes]) -> None:
         """The bound socket's admission: ``allow``'s addresses only, CURVE only when keyed (ZAP, per socket)."""
         if not self.allow and not self.curve_secret_key:
             return
@@ -310,7 +310,8 @@ class EventSubscriber:
         assert spec.endpoint is not None
         sock = sub_socket(self.ctx, self.max_frame_bytes)
         sock.setsockopt(zmq.SUBSCRIBE, spec.topic.encode())
-        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        # Made by the socket's context, an asyncio one: the monitor is read with await.
+        monitor = cast(zmq.asyncio.Socket, sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED))
         for rank in range(spec.dp_size):
             sock.connect(rank_endpoint(spec.endpoint, rank))
         self._tasks[spec.worker_id] = [
@@ -321,21 +322,23 @@ class EventSubscriber:
 
     # ---- loops ---------------------------------------------------------------------------------
 
-    async def _worker_loop(self, spec: WorkerSpec, sock: zmq.asyncio.Socket) -> None:
+    async def _worker_loop(self, spec: WorkerSpec, sock: zmq.Socket[bytes]) -> None:
+        inbox = Inbox(sock)
         try:
             while True:
                 # A cancel dropped by a Redis write (Python 3.11's wait_for) must end the loop here, not
                 # leave it waiting for the next message while stop() waits for it.
                 raise_if_cancel_swallowed()
-                burst = await drain(sock)
+                burst = await inbox.drain()
                 async with self.indexer.batched():
                     for frames in burst:
                         raise_if_cancel_swallowed()
                         await self.replays.handle(spec, frames)
         finally:
+            inbox.close()
             sock.close(0)
 
-    async def _monitor_loop(self, spec: WorkerSpec, sock: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket) -> None:
+    async def _monitor_loop(self, spec: WorkerSpec, sock: zmq.Socket[bytes], monitor: zmq.asyncio.Socket) -> None:
         try:
             while True:
                 raise_if_cancel_swallowed()
@@ -354,20 +357,24 @@ class EventSubscriber:
                 sock.disable_monitor()
             monitor.close(0)
 
-    async def _bound_loop(self, sock: zmq.asyncio.Socket) -> None:
-        while True:
-            raise_if_cancel_swallowed()
-            burst = await drain(sock)
-            async with self.indexer.batched():
-                for frames in burst:
-                    raise_if_cancel_swallowed()
-                    worker_id = self._topics.get(frames[0]) if frames else None
-                    spec = self._specs.get(worker_id) if worker_id else None
-                    if spec is None:
-                        self.indexer.count_drop("(bound)", "unknown_topic", repr(frames[0][:64]) if frames else "")
-                        continue
-                    self.indexer.mark_up(spec.worker_id)
-                    await self.replays.handle(spec, frames)
+    async def _bound_loop(self, sock: zmq.Socket[bytes]) -> None:
+        inbox = Inbox(sock)  # the socket is stop()'s to close
+        try:
+            while True:
+                raise_if_cancel_swallowed()
+                burst = await inbox.drain()
+                async with self.indexer.batched():
+                    for frames in burst:
+                        raise_if_cancel_swallowed()
+                        worker_id = self._topics.get(frames[0]) if frames else None
+                        spec = self._specs.get(worker_id) if worker_id else None
+                        if spec is None:
+                            self.indexer.count_drop("(bound)", "unknown_topic", repr(frames[0][:64]) if frames else "")
+                            continue
+                        self.indexer.mark_up(spec.worker_id)
+                        await self.replays.handle(spec, frames)
+        finally:
+            inbox.close()
 
     # ---- replays and reconciliation (see Replays, Reconciler) ----------------------------------
 
