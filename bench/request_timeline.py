@@ -12,8 +12,8 @@ to the worker, the worker's headers and first body bytes, the way back to the cl
 head write, first chunk), and the report after the answer. The load is ``bench/peers_overhead.py``'s:
 ``--prefix-tokens 0`` for its small completions, ``--cached`` for one prompt sent again and again, else its
 growing agent chats (TTFT). Each round also measures the workers directly, so the router's added p50 is
-printed beside the stages. A diagnostic: the
-wrappers cost a microsecond or two per stage, and stage p50s do not add up to the total's p50.
+printed beside the stages. A diagnostic: the wrappers cost a microsecond or two per stage, and stage p50s
+do not add up to the total's p50.
 """
 
 from __future__ import annotations
