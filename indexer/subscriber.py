@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, cast
 
 import zmq
@@ -323,6 +323,13 @@ class EventSubscriber:
     # ---- loops ---------------------------------------------------------------------------------
 
     async def _worker_loop(self, spec: WorkerSpec, sock: zmq.Socket[bytes]) -> None:
+        try:
+            await self._consume(sock, lambda frames: self.replays.handle(spec, frames))
+        finally:
+            sock.close(0)
+
+    async def _consume(self, sock: zmq.Socket[bytes], handle: Callable[[list[bytes]], Awaitable[None]]) -> None:
+        """Read ``sock`` in bursts for ever, each burst's messages handled in order with one backend write."""
         inbox = Inbox(sock)
         try:
             while True:
@@ -333,10 +340,9 @@ class EventSubscriber:
                 async with self.indexer.batched():
                     for frames in burst:
                         raise_if_cancel_swallowed()
-                        await self.replays.handle(spec, frames)
+                        await handle(frames)
         finally:
             inbox.close()
-            sock.close(0)
 
     async def _monitor_loop(self, spec: WorkerSpec, sock: zmq.Socket[bytes], monitor: zmq.asyncio.Socket) -> None:
         try:
@@ -358,23 +364,17 @@ class EventSubscriber:
             monitor.close(0)
 
     async def _bound_loop(self, sock: zmq.Socket[bytes]) -> None:
-        inbox = Inbox(sock)  # the socket is stop()'s to close
-        try:
-            while True:
-                raise_if_cancel_swallowed()
-                burst = await inbox.drain()
-                async with self.indexer.batched():
-                    for frames in burst:
-                        raise_if_cancel_swallowed()
-                        worker_id = self._topics.get(frames[0]) if frames else None
-                        spec = self._specs.get(worker_id) if worker_id else None
-                        if spec is None:
-                            self.indexer.count_drop("(bound)", "unknown_topic", repr(frames[0][:64]) if frames else "")
-                            continue
-                        self.indexer.mark_up(spec.worker_id)
-                        await self.replays.handle(spec, frames)
-        finally:
-            inbox.close()
+        await self._consume(sock, self._handle_bound)  # the socket is stop()'s to close
+
+    async def _handle_bound(self, frames: list[bytes]) -> None:
+        """A message on the bound socket: its topic names the worker."""
+        worker_id = self._topics.get(frames[0]) if frames else None
+        spec = self._specs.get(worker_id) if worker_id else None
+        if spec is None:
+            self.indexer.count_drop("(bound)", "unknown_topic", repr(frames[0][:64]) if frames else "")
+            return
+        self.indexer.mark_up(spec.worker_id)
+        await self.replays.handle(spec, frames)
 
     # ---- replays and reconciliation (see Replays, Reconciler) ----------------------------------
 
