@@ -20,12 +20,14 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+from peers import free_port
+from procstat import thread_cpu_s
 
 HERE = Path(__file__).resolve().parent
 MODEL = "bench-model"
@@ -53,26 +55,6 @@ print("end", flush=True)
 """
 
 
-def thread_cpu() -> dict[str, float]:
-    """CPU seconds of each thread of this process, by thread name (the main one is ``main``)."""
-    out: dict[str, float] = {}
-    tick = os.sysconf("SC_CLK_TCK")
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            stat = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
-            name = "main" if int(tid) == os.getpid() else Path(f"/proc/self/task/{tid}/comm").read_text().strip()
-        except OSError:
-            continue
-        out[name] = out.get(name, 0.0) + (int(stat[11]) + int(stat[12])) / tick
-    return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 async def measure(mode: str, n: int) -> dict[str, float]:
     import zmq
     import zmq.asyncio
@@ -98,9 +80,9 @@ async def measure(mode: str, n: int) -> dict[str, float]:
     else:
         ctx = zmq.asyncio.Context()
         if mode == "inbox":
-            from kvroute.indexer.sockets import Inbox
+            from kvroute.indexer.sockets import Inbox, sub_socket
 
-            plain: zmq.Socket[bytes] = zmq.Socket(ctx, zmq.SUB)
+            plain = sub_socket(ctx)
             plain.setsockopt(zmq.SUBSCRIBE, b"")
             plain.connect(f"tcp://127.0.0.1:{port}")
             inbox = Inbox(plain)
@@ -143,9 +125,9 @@ async def measure(mode: str, n: int) -> dict[str, float]:
     assert proc.stdout is not None
     if (await proc.stdout.readline()).strip() != b"go":
         raise SystemExit("the publisher did not start")
-    before, got0 = thread_cpu(), received()
+    before, got0 = thread_cpu_s(os.getpid()), received()
     await proc.stdout.readline()
-    after, got = thread_cpu(), received() - got0
+    after, got = thread_cpu_s(os.getpid()), received() - got0
     await proc.wait()
     await stop()
     if got < n * 0.95:

@@ -17,6 +17,22 @@ def process_tree(pid: int) -> list[int]:
     return tree
 
 
+def task_cpu_ns(task: Path) -> int:
+    """CPU nanoseconds of one thread (``/proc/<pid>/task/<tid>``), from its ``schedstat``."""
+    return int((task / "schedstat").read_text().split()[0])
+
+
+def thread_cpu_s(pid: int) -> dict[str, float]:
+    """CPU seconds of each thread of ``pid``, summed by thread name (``main`` for the process's own)."""
+    out: dict[str, float] = {}
+    with contextlib.suppress(OSError):
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                name = "main" if task.name == str(pid) else (task / "comm").read_text().strip()
+                out[name] = out.get(name, 0.0) + task_cpu_ns(task) / 1e9
+    return out
+
+
 def tree_cpu_s(pid: int) -> float:
     """CPU seconds of ``pid`` and its descendants, every thread, from ``/proc/<pid>/task/*/schedstat``
     (nanoseconds: a few growing requests are measurable, clock ticks are not); 0 where /proc is absent."""
@@ -25,5 +41,5 @@ def tree_cpu_s(pid: int) -> float:
         with contextlib.suppress(OSError):
             for task in Path(f"/proc/{member}/task").iterdir():
                 with contextlib.suppress(OSError, ValueError, IndexError):
-                    total += int((task / "schedstat").read_text().split()[0])
+                    total += task_cpu_ns(task)
     return total / 1e9
