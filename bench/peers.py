@@ -637,6 +637,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def save_requests(run: PolicyRun, path: Path) -> None:
+    """Every request's outcome, one JSON line each, so a tail can be read request by request."""
+    path.write_bytes(b"".join(json.dumps(asdict(r)).encode() + b"\n" for r in run.report.results))
+
+
 def run_one(
     router: Router,
     trace: Trace,
@@ -664,6 +669,7 @@ def run_one(
                 run = run_peer(router, exe, trace, fleet, workdir=workdir, on_result=progress, native_pd=args.peer_pd)
                 explained = None
             progress.finish()
+            save_requests(run, workdir / f"requests-{router.name.replace(':', '-')}.jsonl")
             figs = {**run_figures(run, trace, fleet, args.slo_ms), "attempts": attempt + 1}
             if explained is not None:
                 figs["receipts"] = explained

@@ -35,7 +35,10 @@ class PluginTokenizer:
             factory = getattr(importlib.import_module(module_name), attr)
         except (ImportError, AttributeError, ValueError) as exc:
             raise TokenizeError(f"cannot load tokenizer {spec!r}: {exc}") from None
-        self.impl = factory()
+        try:
+            self.impl = factory()
+        except Exception as exc:  # a plugin's own failure is a tokenizer that did not load, not a router error
+            raise TokenizeError(f"cannot load tokenizer {spec!r}: {type(exc).__name__}: {exc}") from None
         #: ``encode_ids`` when the object has it (ids as an ``array("I")``: kept without conversion).
         self._encode = getattr(self.impl, "encode_ids", None) or self.impl.encode
         self._extend = getattr(self.impl, "extend", None)

@@ -15,6 +15,7 @@ Responses); a prompt a source cannot render exactly raises
 
 from __future__ import annotations
 
+import asyncio
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
@@ -236,8 +237,27 @@ class Tokenizers:
 
     def source(self, model: str) -> TokenSource:
         src = self._sources.get(model)
-        if src is not None:
-            return src
+        if src is None:
+            src = self._sources[model] = self._build(model)
+        return src
+
+    async def preload(self, models: Sequence[str] | None = None) -> dict[str, str]:
+        """Load the configured tokenizers of ``models`` (default: every one) now, in a thread, so no request
+        waits for a tokenizer.json to load or a plugin to import. Returns the ones that failed, with why
+        (their requests route without the index, as they would have on first use)."""
+        failed: dict[str, str] = {}
+        for model in models if models is not None else sorted(self._local_specs):
+            if model in self._sources or model not in self._local_specs:
+                continue
+            try:
+                built = await asyncio.to_thread(self._build, model)
+            except TokenizeError as exc:
+                failed[model] = str(exc)
+                continue
+            self._sources.setdefault(model, built)  # a request may have built it meanwhile
+        return failed
+
+    def _build(self, model: str) -> TokenSource:
         if model in self._local_specs:
             path, template = self._local_specs[model]
             if path == RENDER or path.startswith(RENDER + ":"):
@@ -250,7 +270,6 @@ class Tokenizers:
             if not self.worker_urls_for(model):
                 raise TokenizeError(f"no tokenizer configured and no worker serving model {model!r}")
             src = RemoteTokenizer(self.client, lambda: self.worker_urls_for(model), model)
-        self._sources[model] = src
         return src
 
     def stats(self) -> dict[str, dict[str, int]]:

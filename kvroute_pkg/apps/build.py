@@ -45,6 +45,7 @@ from kvroute.router.state import RouterState, Service
 from kvroute.router.subscriptions import SubscriptionSync
 from kvroute.router.tokens import Tokenizers
 from kvroute.router.transport import Transport, make_transport
+from kvroute.router.warmup import WarmUp
 from starlette.applications import Starlette
 
 log = logging.getLogger("kvroute.build")
@@ -220,6 +221,7 @@ def build_state(
         services.append(make_maintenance(c, indexer))  # starts before the subscriber, stops after it
         subscriptions = SubscriptionSync(registry, make_subscriber(c, indexer), indexer, kv_metrics, probe)
         services.append(subscriptions)
+    services.append(WarmUp(tokenizers))
     services.append(Closing("tokenizer client", tokenize_client.aclose))
     if conversations is not None:
         services.append(Closing("conversation store", conversations.close))

@@ -20,6 +20,7 @@ from typing import Any
 from kvroute.config import ConfigError, RouterConfig, load_config
 from kvroute.policies import available_policies, create_policy
 from kvroute.router.state import RouterState
+from kvroute.router.warmup import preload_tokenizers
 from kvroute.tasks import cancel_and_wait, raise_if_cancel_swallowed
 from prometheus_client import Counter
 
@@ -138,6 +139,7 @@ class ConfigReloader:
         retokenized = state.tokenizers.update_models(new.models)
         registry.adapters = new.adapter_bases()
         if retokenized:
+            await preload_tokenizers(state.tokenizers, retokenized)
             changes.append(f"tokenizers of {', '.join(retokenized)}")
         if old.admin_token != new.admin_token:
             changes.append("admin token")
