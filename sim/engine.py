@@ -72,8 +72,14 @@ class _Admission:
     max_load_blocks: int | None = None
     alloc: Allocation = field(default_factory=Allocation)
     n_gpu: int = 0
+    #: Blocks after the GPU prefix that requests admitted before this one are computing (see :meth:`Engine.pump`).
+    n_flight: int = 0
     n_cpu: int = 0
     queued: bool = False
+    #: The admissions computing this one's in-flight blocks; it waits for them before its own prefill.
+    waits_for: list[_Admission] = field(default_factory=list)
+    #: Set once this request's computed blocks are in the cache (or it ended without them).
+    stored: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class Engine:
@@ -125,6 +131,8 @@ class Engine:
         self.p2p_host = p2p_host
         self._p2p_port = p2p_port
         self.pending: dict[BlockHash, int] = {}
+        #: The first admitted request computing each pending block.
+        self._computing: dict[BlockHash, _Admission] = {}
         self.running = 0
         self.decoding = 0
         self.recompute_decisions = 0
@@ -160,9 +168,32 @@ class Engine:
                 self.cache.release(alloc)
                 return  # head of line waits for space (FCFS, as vLLM's scheduler)
             self._queue.popleft()
-            adm.alloc, adm.n_gpu, adm.n_cpu = alloc, n_gpu, n_cpu
+            n_flight = self._in_flight(adm, n_gpu) if not n_cpu and self.cache.swa is None else 0
+            adm.alloc, adm.n_gpu, adm.n_flight, adm.n_cpu = alloc, n_gpu, n_flight, n_cpu
+            self._mark(adm, adm.hashes[n_gpu + n_flight :])
             self.running += 1
             adm.future.set_result(None)
+
+    def _in_flight(self, adm: _Admission, n_gpu: int) -> int:
+        """How many blocks after the GPU prefix requests admitted earlier are computing now. vLLM puts a block
+        in its prefix cache when it schedules the block, before the forward pass fills it, so a request admitted
+        meanwhile reuses it (measured on vLLM 0.32: sent together with a request prefilling its 768-token prefix,
+        a second request reports those 768 tokens cached). Its own prefill then runs after theirs."""
+        n = 0
+        computing = self._computing
+        for h in adm.hashes[n_gpu : adm.usable]:
+            owner = computing.get(h)
+            if owner is None:
+                break
+            if owner not in adm.waits_for:
+                adm.waits_for.append(owner)
+            n += 1
+        return n
+
+    def _mark(self, adm: _Admission, hashes: list[BlockHash]) -> None:
+        for h in hashes:
+            self.pending[h] = self.pending.get(h, 0) + 1
+            self._computing.setdefault(h, adm)
 
     def _finish(self, alloc: Allocation) -> None:
         self.running -= 1
@@ -220,16 +251,18 @@ class Engine:
             await adm.future
         except asyncio.CancelledError:
             if adm.future.done() and not adm.future.cancelled():
+                self._unmark(hashes[adm.n_gpu + adm.n_flight :], adm)
+                adm.stored.set()
                 self._finish(adm.alloc)
             else:
                 adm.future.cancel()
             raise
         alloc = adm.alloc
         hold = None
-        computing = hashes[adm.n_gpu :]
+        computing = hashes[adm.n_gpu + adm.n_flight :]
         try:
-            for h in computing:
-                self.pending[h] = self.pending.get(h, 0) + 1
+            waited = await self._await_in_flight(adm)
+            computing = hashes[adm.n_gpu + adm.n_flight :]  # what this request computes itself
             if kv is not None and kv.remote_decoder is not None:
                 hold = self.transfers.open_hold("p2p", kv.remote_decoder.kv_request_id)
             if req.report_reused and adm.n_gpu:
@@ -240,15 +273,15 @@ class Engine:
                     session_id=req.session_id,
                     lookahead=lookahead,
                 )
-            local = adm.n_gpu + adm.n_cpu
+            local = adm.n_gpu + adm.n_flight + adm.n_cpu
             limit = usable if adm.max_load_blocks is None else min(usable, adm.n_gpu + adm.max_load_blocks)
             remote = await self.transfers.load(kv, hashes, local, limit)
             # The simulator's own CPU time (parsing, tokenizing, hashing) counts as part of the modelled
             # time, so TTFT stays faithful on a busy machine; a wait or a transfer starts the clock anew.
             remote_tried = kv is not None and (kv.remote_prefiller or kv.remote_kv_source or kv.nixl_remote)
-            ready = loop.time() if (adm.queued or remote_tried) else t0
+            ready = loop.time() if (adm.queued or remote_tried or waited) else t0
             req.local_hit_tokens = local * bs
-            req.device_tokens = adm.n_gpu * bs
+            req.device_tokens = (adm.n_gpu + adm.n_flight) * bs
             req.host_tokens = adm.n_cpu * bs
             req.remote_tokens = remote * bs
             req.cached_tokens = (local + remote) * bs
@@ -270,8 +303,9 @@ class Engine:
                 session_id=req.session_id,
                 lookahead=lookahead[adm.n_gpu :] if lookahead is not None else None,
             )
-            self._unmark(computing)
+            self._unmark(computing, adm)
             computing = []
+            adm.stored.set()
             in_cache = sum(1 for h in hashes if h in self.cache.gpu)
             req.cache_created_tokens = max(0, min(in_cache * bs, n_prompt) - req.cached_tokens)
             self.metrics.prompt_done(
@@ -292,7 +326,8 @@ class Engine:
             self.metrics.e2e.observe(loop.time() - t0)
             self.metrics.success("length")
         finally:
-            self._unmark(computing)
+            self._unmark(computing, adm)
+            adm.stored.set()
             if hold is not None:  # failed before the blocks existed: nothing to keep
                 self.transfers.drop_hold("p2p", hold.key, hold)
             self._finish(alloc)
@@ -311,13 +346,34 @@ class Engine:
             self.cache.touch_cpu(adm.hashes[adm.n_gpu : adm.n_gpu + adm.n_cpu])
             self.metrics.promoted_blocks.inc(adm.n_cpu)
 
-    def _unmark(self, hashes: list[BlockHash]) -> None:
+    def _unmark(self, hashes: list[BlockHash], adm: _Admission) -> None:
         for h in hashes:
             left = self.pending.get(h, 0) - 1
             if left > 0:
                 self.pending[h] = left
             else:
                 self.pending.pop(h, None)
+            if self._computing.get(h) is adm:
+                del self._computing[h]
+
+    async def _await_in_flight(self, adm: _Admission) -> bool:
+        """Wait until the requests computing ``adm``'s in-flight blocks have stored them; a block one of them
+        did not store (it failed) is computed by ``adm`` itself. True if it had any to wait for."""
+        if not adm.n_flight:
+            return False
+        for owner in adm.waits_for:
+            await owner.stored.wait()
+        start = adm.n_gpu
+        gpu = self.cache.gpu
+        there = 0
+        for h in adm.hashes[start : start + adm.n_flight]:
+            if h not in gpu:
+                break
+            there += 1
+        if there < adm.n_flight:  # compute the rest here: it becomes this request's own work
+            self._mark(adm, adm.hashes[start + there : start + adm.n_flight])
+            adm.n_flight = there
+        return True
 
     async def _decode(self, req: EngineRequest) -> AsyncGenerator[int, None]:
         chunk = self.opts.stream_chunk_s if req.stream else self.opts.batch_chunk_s

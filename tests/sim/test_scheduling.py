@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import httpx
@@ -53,3 +54,48 @@ async def test_dropped_stream_releases_its_blocks(make_fleet: Any) -> None:
     async with httpx.AsyncClient(timeout=10) as c:
         r = await c.post(f"{w.url}/v1/completions", json={"prompt": words(100), "max_tokens": 1})
     assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 96
+
+
+#: 200 prompt tokens take 0.5 s to prefill: long enough to send a second request meanwhile.
+SLOW_PREFILL = {"prefill_tokens_per_s": 400.0, "attention_coeff_s": 0.0, "gpu_blocks": 1024}
+
+
+async def test_a_request_reuses_the_blocks_another_is_still_prefilling(make_fleet: Any, client: Any) -> None:
+    # vLLM caches a block when it schedules it: a request admitted during another's prefill reuses its blocks.
+    fleet = await make_fleet(1, time_scale=1.0, preset_overrides=SLOW_PREFILL)
+    w = fleet[0]
+    shared = words(192, "shared-")
+    url = f"{w.url}/v1/completions"
+    first = asyncio.create_task(client.post(url, json={"prompt": shared + " " + words(8, "a-"), "max_tokens": 1}))
+    await _until(lambda: w.engine.running == 1)
+    second = await client.post(url, json={"prompt": shared + " " + words(8, "b-"), "max_tokens": 1})
+    assert second.status_code == 200
+    assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 192
+    assert first.done(), "the second request's prefill runs after the one computing its prefix"
+    assert (await first).json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    text = (await client.get(f"{w.url}/metrics")).text
+    assert 'vllm:prefix_cache_hits_total{engine="0",model_name="sim-tiny"} 192.0' in text
+
+
+async def test_blocks_whose_prefill_is_abandoned_are_computed_by_the_request_waiting_for_them(
+    make_fleet: Any, client: Any
+) -> None:
+    fleet = await make_fleet(1, time_scale=1.0, preset_overrides=SLOW_PREFILL)
+    w = fleet[0]
+    shared = words(192, "shared-")
+    url = f"{w.url}/v1/completions"
+    async with httpx.AsyncClient(timeout=10) as first_client:
+        first = asyncio.create_task(
+            first_client.post(url, json={"prompt": shared + " " + words(8, "a-"), "max_tokens": 1, "stream": True})
+        )
+        await _until(lambda: w.engine.running == 1)
+        second = asyncio.create_task(client.post(url, json={"prompt": shared + " " + words(8, "b-"), "max_tokens": 1}))
+        await _until(lambda: w.engine.running == 2)
+        first.cancel()  # the first client hangs up during its prefill
+        with contextlib.suppress(asyncio.CancelledError):
+            await first
+    answer = await second
+    assert answer.status_code == 200
+    assert answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    await _until(lambda: w.engine.running == 0)
+    assert w.engine.pending == {} and w.engine.cache.usage() == 0
