@@ -261,16 +261,13 @@ class Tokenizers:
         if model in self._local_specs:
             path, template = self._local_specs[model]
             if path == RENDER or path.startswith(RENDER + ":"):
-                src = self._render_source(model, path)
-            elif path.startswith(PluginTokenizer.PREFIX):
-                src = PluginTokenizer(path)
-            else:
-                src = LocalTokenizer(path, template)
-        else:
-            if not self.worker_urls_for(model):
-                raise TokenizeError(f"no tokenizer configured and no worker serving model {model!r}")
-            src = RemoteTokenizer(self.client, lambda: self.worker_urls_for(model), model)
-        return src
+                return self._render_source(model, path)
+            if path.startswith(PluginTokenizer.PREFIX):
+                return PluginTokenizer(path)
+            return LocalTokenizer(path, template)
+        if not self.worker_urls_for(model):
+            raise TokenizeError(f"no tokenizer configured and no worker serving model {model!r}")
+        return RemoteTokenizer(self.client, lambda: self.worker_urls_for(model), model)
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Per model whose token source has a prefix cache, its counters and size (for export)."""
