@@ -74,7 +74,8 @@ DIRECT = "direct"
 class Scenario:
     name: str
     #: "small" (closed-loop completions), "grow" (an agent's growing prompt, sequential, streamed) or
-    #: "cached" (one prompt again and again, sequential, streamed: a fully cached prefix).
+    #: "cached" (one prompt again and again, sequential, streamed: a fully cached prefix) or "fresh" (a new
+    #: prompt every time, sequential, streamed: nothing cached, nothing to extend, as a new RAG context).
     kind: str
     concurrency: int = 1
     prefix_tokens: int = 0
@@ -86,6 +87,8 @@ def scenarios(args: argparse.Namespace) -> list[Scenario]:
         out.append(Scenario(f"grow {n // 1024}k" if n % 1024 == 0 else f"grow {n}", "grow", prefix_tokens=n))
     for n in args.cached_tokens:
         out.append(Scenario(f"cached {n // 1024}k" if n % 1024 == 0 else f"cached {n}", "cached", prefix_tokens=n))
+    for n in args.fresh_tokens:
+        out.append(Scenario(f"fresh {n // 1024}k" if n % 1024 == 0 else f"fresh {n}", "fresh", prefix_tokens=n))
     return out
 
 
@@ -117,6 +120,16 @@ def repeated_bodies(model: str, key: str, tokens: int, steps: int, answer: int) 
     ]
     body = {"model": model, "messages": messages, "max_tokens": answer, "stream": True}
     return [orjson.dumps({**body, "stream_options": {"include_usage": True}})] * (steps + 1)
+
+
+def fresh_bodies(model: str, key: str, tokens: int, steps: int, answer: int) -> list[bytes]:
+    """``steps + 1`` chat requests of ``tokens`` words that share nothing (the first one the warm-up)."""
+    bodies = []
+    for k in range(steps + 1):
+        messages = [{"role": "user", "content": workloads.words(f"{key}/fresh{k}", tokens)}]
+        body = {"model": model, "messages": messages, "max_tokens": answer, "stream": True}
+        bodies.append(orjson.dumps({**body, "stream_options": {"include_usage": True}}))
+    return bodies
 
 
 async def grow(
@@ -183,6 +196,8 @@ def measure(
         return {**asdict(stats), "cpu_ms_per_req": cpu.ms_per(stats.requests + stats.errors)}
     if scenario.kind == "cached":
         bodies = repeated_bodies(model, key, scenario.prefix_tokens, args.steps, args.max_tokens)
+    elif scenario.kind == "fresh":
+        bodies = fresh_bodies(model, key, scenario.prefix_tokens, args.steps, args.max_tokens)
     else:
         bodies = growing_bodies(model, key, scenario.prefix_tokens, args.steps, args.step_tokens, args.max_tokens)
     got, extra = asyncio.run(grow(base, bodies, on_timed=cpu.start))
@@ -466,7 +481,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--cached-tokens", type=int, nargs="*", help="cached cases' prompt sizes (default 1024; none: skip them)"
     )
-    ap.add_argument("--steps", type=int, help="timed requests per growing or cached case (default 30; --quick 3)")
+    ap.add_argument(
+        "--fresh-tokens", type=int, nargs="*", help="fresh cases' prompt sizes (default 4096; none: skip them)"
+    )
+    ap.add_argument(
+        "--steps", type=int, help="timed requests per growing, cached or fresh case (default 30; --quick 3)"
+    )
     ap.add_argument("--step-tokens", type=int, default=256, help="tool output added per step")
     ap.add_argument("--max-tokens", type=int, default=8, help="answer tokens of the growing requests")
     ap.add_argument("--workers", type=int, default=2)
@@ -494,6 +514,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.requests = args.requests or (100 if args.quick else 3000)
     args.prefix_tokens = args.prefix_tokens or ([1024, 4096] if args.quick else [8192, 32768])
     args.cached_tokens = [1024] if args.cached_tokens is None else args.cached_tokens
+    args.fresh_tokens = ([1024] if args.quick else [4096]) if args.fresh_tokens is None else args.fresh_tokens
     args.steps = args.steps or (3 if args.quick else 30)
     if args.quick:
         args.step_tokens = min(args.step_tokens, 64)

@@ -109,6 +109,9 @@ class EventBatch(msgspec.Struct, gc=False):
     dp_rank: int = 0
     #: Events of unknown type that were skipped (counted by the indexer, never an error).
     skipped: int = 0
+    #: Index in ``events`` -> how many of the engine's events that one stands for, where the decoder folded a
+    #: run of consecutive ``BlockRemoved`` of one tier into one (vLLM sends one per evicted block); None: none.
+    folds: dict[int, int] | None = None
 
 
 _decoder = msgspec.msgpack.Decoder()
@@ -281,7 +284,37 @@ def decode_batch(payload: bytes) -> EventBatch:
             skipped += 1
         else:
             events.append(event)
-    return EventBatch(ts=float(ts), events=events, dp_rank=dp_rank, skipped=skipped)
+    events, folds = fold_removals(events)
+    return EventBatch(ts=float(ts), events=events, dp_rank=dp_rank, skipped=skipped, folds=folds)
+
+
+def same_removal_tier(a: BlockRemoved, b: BlockRemoved) -> bool:
+    """Whether two removals are from the same tier of the same group (one removal, as far as the index goes)."""
+    return (
+        a.medium == b.medium and a.group_idx == b.group_idx and a.locality == b.locality and a.ownership == b.ownership
+    )
+
+
+def fold_removals(events: list[KVEvent]) -> tuple[list[KVEvent], dict[int, int] | None]:
+    """Runs of consecutive ``BlockRemoved`` of one tier as one event (the hashes in order), and
+    :attr:`EventBatch.folds` for them: vLLM sends one removal per evicted block, and the index applies a run in
+    one pass as it would one by one."""
+    out: list[KVEvent] = []
+    folds: dict[int, int] | None = None
+    last: BlockRemoved | None = None
+    for event in events:
+        if type(event) is BlockRemoved:
+            if last is not None and same_removal_tier(event, last):
+                last.block_hashes.extend(event.block_hashes)
+                if folds is None:
+                    folds = {}
+                folds[len(out) - 1] = folds.get(len(out) - 1, 1) + 1
+                continue
+            last = event
+        else:
+            last = None
+        out.append(event)
+    return out, folds
 
 
 def decode_seq(frame: bytes) -> int:

@@ -23,6 +23,7 @@ from kvroute.indexer.events import (
     KVEvent,
     decode_batch,
     extra_keys_too_deep,
+    same_removal_tier,
 )
 
 _Hash = int | bytes
@@ -149,11 +150,45 @@ def decode_batch_fast(payload: bytes) -> EventBatch:
             raise EventDecodeError("malformed", "msgpack nested too deep") from None
         if len(raw_events) > MAX_EVENTS_PER_BATCH or (dp_rank is not None and not 0 <= dp_rank < 4096):
             break
-        events = []
+        events: list[KVEvent] = []
+        folds: dict[int, int] | None = None
+        last: Any = None  # the raw removal the last event came from (a _RemovedMap or _RemovedArray)
+        hashes: list[Any] = []
         for raw in raw_events:
+            if (
+                last is not None
+                and type(raw) is type(last)
+                and raw.medium == last.medium
+                and raw.group_idx == last.group_idx
+                and raw.locality == last.locality
+                and raw.ownership == last.ownership
+                and len(raw.block_hashes) <= MAX_BLOCKS_PER_EVENT
+            ):
+                # One more removal from the same tier (vLLM sends one per evicted block): its hashes join the
+                # last event's, in order, so the ingest makes one pass, not one per block.
+                hashes.extend(raw.block_hashes)
+                if folds is None:
+                    folds = {}
+                at = len(events) - 1
+                folds[at] = folds.get(at, 1) + 1
+                continue
             event = _convert(raw)
             if event is None:
                 return decode_batch(payload)
+            if type(event) is BlockRemoved:
+                before = events[-1] if last is not None else None
+                if type(before) is BlockRemoved and same_removal_tier(event, before):  # equal once normalised
+                    hashes.extend(event.block_hashes)
+                    if folds is None:
+                        folds = {}
+                    at = len(events) - 1
+                    folds[at] = folds.get(at, 1) + 1
+                    last = raw
+                    continue
+                last = raw
+                hashes = event.block_hashes
+            else:
+                last = None
             events.append(event)
-        return EventBatch(ts=float(ts), events=events, dp_rank=dp_rank or 0)
+        return EventBatch(ts=float(ts), events=events, dp_rank=dp_rank or 0, folds=folds)
     return decode_batch(payload)

@@ -82,6 +82,8 @@ class MessageHandler:
         ent.last_lag = lag
         ent.batches += 1
         n = len(batch.events)
+        if batch.folds:  # removals folded by the decoder still count one by one
+            n += sum(batch.folds.values()) - len(batch.folds)
         ent.events += n
         ent.rate.add(n)
         metrics = ent.metrics

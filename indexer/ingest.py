@@ -486,7 +486,8 @@ def translate(state: EntityState, model: ModelInfo, batch: EventBatch) -> BatchR
     model.from_events = True
     primary = out.primary
     primary_idx = model.primary  # events of other groups ask _view, which also sees a primary learnt meanwhile
-    for event in batch.events:
+    folds = batch.folds
+    for at, event in enumerate(batch.events):
         if type(event) is BlockStored:
             stored += 1
             view = state if event.group_idx == primary_idx else _view(state, model, event, out)
@@ -500,7 +501,8 @@ def translate(state: EntityState, model: ModelInfo, batch: EventBatch) -> BatchR
             (primary if view is state else out.group_ops(event.group_idx)).add("store", keys, bit)
             applied_stored += 1
         elif type(event) is BlockRemoved:
-            removed += 1
+            events = folds.get(at, 1) if folds else 1  # the engine's events this one stands for
+            removed += events
             view = state if event.group_idx == primary_idx else _view(state, model, event, out)
             if view is None:
                 continue
@@ -508,7 +510,7 @@ def translate(state: EntityState, model: ModelInfo, batch: EventBatch) -> BatchR
             keys = _remove(view, bit, event.block_hashes, event.ownership)
             if keys:
                 (primary if view is state else out.group_ops(event.group_idx)).add("remove", keys, bit)
-            applied_removed += 1
+            applied_removed += events
         elif type(event) is AllBlocksCleared:
             cleared += 1
             state.clear()

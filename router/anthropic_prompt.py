@@ -80,7 +80,8 @@ def check_messages_body(body: Mapping[str, Any]) -> None:
     if not isinstance(messages, list) or not messages:
         raise _bad("messages", "is required and must be a non-empty list")
     for i, message in enumerate(messages):
-        if not isinstance(message, dict) or message.get("role") not in ROLES:
+        role = message.get("role") if isinstance(message, dict) else None
+        if not isinstance(role, str) or role not in ROLES:
             raise _bad(f"messages[{i}]", "must be an object with a `role` of user, assistant or system")
         content: Any = message.get("content")
         if not isinstance(content, str):

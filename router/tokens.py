@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 import httpx
@@ -246,15 +247,20 @@ class Tokenizers:
         waits for a tokenizer.json to load or a plugin to import. Returns the ones that failed, with why
         (their requests route without the index, as they would have on first use)."""
         failed: dict[str, str] = {}
-        for model in models if models is not None else sorted(self._local_specs):
-            if model in self._sources or model not in self._local_specs:
-                continue
-            try:
-                built = await asyncio.to_thread(self._build, model)
-            except TokenizeError as exc:
-                failed[model] = str(exc)
-                continue
-            self._sources.setdefault(model, built)  # a request may have built it meanwhile
+        todo = [m for m in (models if models is not None else sorted(self._local_specs)) if m in self._local_specs]
+        todo = [m for m in todo if m not in self._sources]
+        if not todo:
+            return failed
+        loop = asyncio.get_running_loop()
+        # A thread of its own, gone once loaded (the loop's default executor would keep an idle one for good).
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvroute-tokenizers") as pool:
+            for model in todo:
+                try:
+                    built = await loop.run_in_executor(pool, self._build, model)
+                except TokenizeError as exc:
+                    failed[model] = str(exc)
+                    continue
+                self._sources.setdefault(model, built)  # a request may have built it meanwhile
         return failed
 
     def _build(self, model: str) -> TokenSource:

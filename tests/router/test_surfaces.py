@@ -131,6 +131,7 @@ def test_anthropic_options_tools_and_what_cannot_be_rendered_here() -> None:
     ("change", "field"),
     [
         ({"messages": []}, "messages"),
+        ({"messages": [{"role": []}]}, "messages[0]"),  # an unhashable role: a 400, never a TypeError
         ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
         ({"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]}, "messages[0].content[0].text"),
         ({"messages": [{"role": "user", "content": [{"type": "tool_addition"}]}]}, "messages[0].content"),
