@@ -154,7 +154,8 @@ def decode_batch_fast(payload: bytes) -> EventBatch:
         folds: dict[int, int] | None = None
         last: Any = None  # the raw removal the last event came from (a _RemovedMap or _RemovedArray)
         hashes: list[Any] = []
-        for raw in raw_events:
+        typed: list[Any] = raw_events  # narrowed by the type checks below, which mypy cannot follow
+        for raw in typed:
             if (
                 last is not None
                 and type(raw) is type(last)
