@@ -49,6 +49,14 @@ def test_a_cached_case_sends_one_prompt_again_and_again() -> None:
     assert peers_overhead.repeated_bodies("m", "k2", tokens=300, steps=4, answer=5)[0] != bodies[0]
 
 
+def test_a_fresh_case_shares_nothing_between_its_prompts() -> None:
+    bodies = [orjson.loads(b) for b in peers_overhead.fresh_bodies("m", "k1", tokens=300, steps=4, answer=5)]
+    texts = [b["messages"][0]["content"] for b in bodies]
+    assert len(bodies) == 5 and all(len(t.split()) == 300 for t in texts)
+    assert len({tuple(t.split()[:8]) for t in texts}) == 5  # not even their first block in common
+    assert all(b["stream"] is True and b["max_tokens"] == 5 for b in bodies)
+
+
 def _run(rnd: int, target: str, scenario: str, p50: float, rps: float) -> dict[str, object]:
     row: dict[str, object] = {"round": rnd, "target": target, "scenario": scenario, "p50_ms": p50}
     return row | {"p99_ms": 2 * p50, "rps": rps, "requests": 10, "errors": 0}
@@ -123,7 +131,7 @@ def test_quick_run_with_kvroute_and_direct_answers_every_request(tmp_path: Path)
     assert data["peers"] == {} and data["targets"] == []
     assert not any("failed" in r for r in data["runs"])
     targets = ("direct", "kvaware", "round_robin")
-    scenarios = ("small c1", "small c32", "grow 1k", "grow 4k", "cached 1k")
+    scenarios = ("small c1", "small c32", "grow 1k", "grow 4k", "cached 1k", "fresh 1k")
     cells = {(c["scenario"], c["target"]): c for c in data["cells"]}
     assert set(cells) == {(s, t) for s in scenarios for t in targets}
     for (scenario, name), cell in cells.items():
