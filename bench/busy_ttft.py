@@ -13,8 +13,9 @@ it (``--answer-tokens`` each, a new one as soon as one ends), and meanwhile one 
 streaming chat prompt of ``--prompt-tokens`` (a full prefix hit after the first) ``--probes`` times, one
 after the other: its time to the first content token is the figure. "Added" = the target's probe p50 minus
 direct's in the same round; cells are medians over rounds; "paired" = the median over rounds of the target
-minus the best peer in that round. Output under ``--work``: ``busy_ttft.json``, ``busy_ttft.md``,
-``busy_ttft.png``.
+minus the best peer in that round. "Router CPU per chunk": the router process's CPU time (its threads and
+children) during the round over the chunks the streams read, the probes' work included. Output under
+``--work``: ``busy_ttft.json``, ``busy_ttft.md``, ``busy_ttft.png``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import statistics
 import sys
 import time
@@ -37,6 +39,7 @@ from kvroute.report import pyplot, save_figure
 from loadgen import stream_once
 from peers import PEERS, ROUTERS, ensure_peer, router_process
 from peers_overhead import is_peer
+from procstat import tree_cpu_s
 
 DIRECT = "direct"
 DEFAULT_ROUTERS = ("kvaware", "round_robin", "smg:cache_aware", "vllm-router:cache_aware")
@@ -58,9 +61,11 @@ async def keep_streaming(url: str, model: str, key: str, answer_tokens: int, sto
     return chunks
 
 
-async def probe(base: str, model: str, key: str, args: argparse.Namespace) -> dict[str, Any]:
-    """The probes' TTFTs with ``--streams`` answers streaming meanwhile."""
+async def probe(base: str, model: str, key: str, args: argparse.Namespace, pid: int | None) -> dict[str, Any]:
+    """The probes' TTFTs with ``--streams`` answers streaming meanwhile; with the router's ``pid``, its CPU
+    time per chunk the streams read (all its work meanwhile, the probes' too, over the chunks)."""
     stop = asyncio.Event()
+    cpu0 = tree_cpu_s(pid) if pid is not None else None
     streams = [
         asyncio.create_task(keep_streaming(base, model, f"{key}/s{i}", args.answer_tokens, stop))
         for i in range(args.streams)
@@ -91,6 +96,7 @@ async def probe(base: str, model: str, key: str, args: argparse.Namespace) -> di
     finally:
         stop.set()
         chunks = sum(await asyncio.gather(*streams))
+    cpu = tree_cpu_s(pid) - cpu0 if pid is not None and cpu0 is not None else None
     ttft.sort()
     return {
         "p50_ms": statistics.median(ttft) if ttft else float("nan"),
@@ -98,6 +104,7 @@ async def probe(base: str, model: str, key: str, args: argparse.Namespace) -> di
         "probes": len(ttft),
         "errors": errors,
         "stream_chunks": chunks,
+        "cpu_us_per_chunk": cpu * 1e6 / chunks if cpu is not None and chunks else float("nan"),
     }
 
 
@@ -112,7 +119,7 @@ def cells_of(runs: list[dict[str, Any]], names: list[str]) -> list[dict[str, Any
         if not mine:
             continue
         cell: dict[str, Any] = {"target": name, "rounds": len(mine)}
-        for key in ("p50_ms", "p90_ms"):
+        for key in ("p50_ms", "p90_ms", "cpu_us_per_chunk"):
             cell[key] = statistics.median(r[key] for r in mine)
         cell["errors"] = sum(r["errors"] for r in mine)
         added = [
@@ -139,14 +146,15 @@ def markdown(cells: list[dict[str, Any]]) -> str:
 
     lines = [
         "| target | probe TTFT p50 ms | p90 ms | added p50 ms | minus best peer, paired ms | rounds <= best peer "
-        "| errors |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| router CPU µs per chunk | errors |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for c in cells:
         lines.append(
             f"| {c['target']} | {c['p50_ms']:.2f} | {c['p90_ms']:.2f} | {num(c, 'added_p50_ms', '+.2f')} | "
             f"{num(c, 'paired_vs_best_peer_ms', '+.2f')} | {c.get('rounds_at_or_below_best_peer', '-')} of "
-            f"{c['rounds']} | {c['errors']} |"
+            f"{c['rounds']} | {'-' if math.isnan(c['cpu_us_per_chunk']) else format(c['cpu_us_per_chunk'], '.1f')} | "
+            f"{c['errors']} |"
         )
     return "\n".join(lines)
 
@@ -212,21 +220,23 @@ def main(argv: list[str] | None = None) -> int:
         model = config["models"][0]["name"]
         with contextlib.ExitStack() as stack:
             bases = {DIRECT: config["workers"][0]["url"].rstrip("/")}
+            pids: dict[str, int] = {}
             for router in routers:
                 try:
-                    bases[router.name] = stack.enter_context(router_process(router, config, logs, exes)).base
+                    running = stack.enter_context(router_process(router, config, logs, exes))
+                    bases[router.name], pids[router.name] = running.base, running.pid
                 except Exception as exc:  # a router that does not start must not lose the others
                     runs.append({"round": 0, "target": router.name, "failed": f"{type(exc).__name__}: {exc}"[:2000]})
                     print(f"  {router.name} did not start: {exc}"[:300], file=sys.stderr, flush=True)
             for rnd in range(args.rounds):
                 live = [n for n in names if n in bases]
                 for name in live[rnd % len(live) :] + live[: rnd % len(live)]:
-                    row = asyncio.run(probe(bases[name], model, f"r{rnd}/{name}", args))
+                    row = asyncio.run(probe(bases[name], model, f"r{rnd}/{name}", args, pids.get(name)))
                     runs.append({"round": rnd, "target": name, **row})
                     print(
                         f"[{time.monotonic() - began:5.0f} s] round {rnd + 1}/{args.rounds} {name:<24} probe TTFT "
                         f"p50 {row['p50_ms']:7.2f} ms  p90 {row['p90_ms']:7.2f} ms  {row['stream_chunks']} chunks "
-                        f"streamed meanwhile  {row['errors']} errors",
+                        f"streamed ({row['cpu_us_per_chunk']:.1f} µs of router CPU each)  {row['errors']} errors",
                         flush=True,
                     )
     cells = cells_of(runs, names)

@@ -16,7 +16,8 @@ import busy_ttft  # noqa: E402
 
 
 def _run(rnd: int, target: str, p50: float) -> dict[str, object]:
-    return {"round": rnd, "target": target, "p50_ms": p50, "p90_ms": 2 * p50, "probes": 5, "errors": 0}
+    row = {"round": rnd, "target": target, "p50_ms": p50, "p90_ms": 2 * p50, "probes": 5, "errors": 0}
+    return row | {"cpu_us_per_chunk": 20.0}
 
 
 def test_added_and_paired_figures_are_taken_round_by_round() -> None:
@@ -63,5 +64,6 @@ def test_quick_run_times_every_probe_while_answers_stream(tmp_path: Path) -> Non
     for run in data["runs"]:
         assert run["probes"] == 5 and run["errors"] == 0 and run["p50_ms"] > 0
         assert run["stream_chunks"] > 4 * 10  # the streams were really under way during the probes
+        assert (run["cpu_us_per_chunk"] > 0) is (run["target"] != "direct")  # no router process: no figure
     assert "| kvaware |" in (tmp_path / "busy_ttft.md").read_text()
     assert (tmp_path / "busy_ttft.png").stat().st_size > 5_000
