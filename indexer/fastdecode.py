@@ -153,9 +153,13 @@ def decode_batch_fast(payload: bytes) -> EventBatch:
         events: list[KVEvent] = []
         folds: dict[int, int] | None = None
         last: Any = None  # the raw removal the last event came from (a _RemovedMap or _RemovedArray)
-        hashes: list[Any] = []
+        hashes: list[Any] = []  # that event's hashes, which a folded removal extends
         typed: list[Any] = raw_events  # narrowed by the type checks below, which mypy cannot follow
         for raw in typed:
+            # One more removal from the same tier as the last event (vLLM sends one per evicted block) joins
+            # it, its hashes in order, so the ingest makes one pass, not one per block. Equal raw fields say so
+            # without converting; fields equal only once normalised ("cpu", "CPU") are found after converting.
+            joins: list[Any] | None = None
             if (
                 last is not None
                 and type(raw) is type(last)
@@ -165,31 +169,27 @@ def decode_batch_fast(payload: bytes) -> EventBatch:
                 and raw.ownership == last.ownership
                 and len(raw.block_hashes) <= MAX_BLOCKS_PER_EVENT
             ):
-                # One more removal from the same tier (vLLM sends one per evicted block): its hashes join the
-                # last event's, in order, so the ingest makes one pass, not one per block.
-                hashes.extend(raw.block_hashes)
-                if folds is None:
-                    folds = {}
-                at = len(events) - 1
-                folds[at] = folds.get(at, 1) + 1
-                continue
-            event = _convert(raw)
-            if event is None:
-                return decode_batch(payload)
-            if type(event) is BlockRemoved:
-                before = events[-1] if last is not None else None
-                if type(before) is BlockRemoved and same_removal_tier(event, before):  # equal once normalised
-                    hashes.extend(event.block_hashes)
-                    if folds is None:
-                        folds = {}
-                    at = len(events) - 1
-                    folds[at] = folds.get(at, 1) + 1
-                    last = raw
-                    continue
-                last = raw
-                hashes = event.block_hashes
+                joins = raw.block_hashes
             else:
-                last = None
-            events.append(event)
+                event = _convert(raw)
+                if event is None:
+                    return decode_batch(payload)
+                if type(event) is not BlockRemoved:
+                    last = None
+                    events.append(event)
+                    continue
+                before = events[-1] if last is not None else None
+                if type(before) is BlockRemoved and same_removal_tier(event, before):
+                    joins = event.block_hashes
+                else:
+                    last, hashes = raw, event.block_hashes
+                    events.append(event)
+                    continue
+            hashes.extend(joins)
+            if folds is None:
+                folds = {}
+            at = len(events) - 1
+            folds[at] = folds.get(at, 1) + 1
+            last = raw
         return EventBatch(ts=float(ts), events=events, dp_rank=dp_rank or 0, folds=folds)
     return decode_batch(payload)
