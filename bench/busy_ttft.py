@@ -37,7 +37,7 @@ import workloads
 from kvroute.experiment import FleetSpec, fleet_process
 from kvroute.report import pyplot, save_figure
 from loadgen import stream_once
-from peers import PEERS, ROUTERS, ensure_peer, router_process
+from peers import PEERS, ROUTERS, ensure_peer, router_names, router_process
 from peers_overhead import is_peer
 from procstat import tree_cpu_s
 
@@ -188,10 +188,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--chart", type=Path, help="also write the chart here")
     ap.add_argument("--quick", action="store_true", help="a smoke test (under a minute)")
     args = ap.parse_args(argv)
-    args.routers = [r.strip() for r in (args.routers or ",".join(DEFAULT_ROUTERS)).split(",") if r.strip()]
-    for name in args.routers:
-        if name not in ROUTERS:
-            raise SystemExit(f"unknown router {name!r}; known: {', '.join(ROUTERS)}")
+    args.routers = router_names(args.routers, DEFAULT_ROUTERS)
     args.rounds = args.rounds or (1 if args.quick else 3)
     args.streams = args.streams or (4 if args.quick else 32)
     args.answer_tokens = args.answer_tokens or (200 if args.quick else 2000)

@@ -590,6 +590,16 @@ def _csv(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
+def router_names(text: str | None, default: Sequence[str]) -> list[str]:
+    """A ``--routers`` option: comma-separated names of ROUTERS (``default`` when empty); exits naming an
+    unknown one."""
+    names = _csv(text or ",".join(default))
+    for name in names:
+        if name not in ROUTERS:
+            raise SystemExit(f"unknown router {name!r}; known: {', '.join(ROUTERS)}")
+    return names
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
@@ -625,15 +635,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.traces or ("mooncake,shared_prefix" if args.quick else "mooncake,shared_prefix,agentic,chat")
     )
     args.regimes = _csv(args.regimes or ",".join(REGIMES))
-    args.routers = _csv(args.routers or ",".join(ROUTERS))
+    args.routers = router_names(args.routers, list(ROUTERS))
     args.seeds = [int(s) for s in _csv(args.seeds or ("0" if args.quick else "0,1,2"))]
     args.requests = args.requests or (40 if args.quick else 200)
     args.time_scale = args.time_scale or 1.0
     args.shared_prefix_rates = [float(r) for r in _csv(args.shared_prefix_rates)]
-    for name, known in (("regime", REGIMES), ("router", ROUTERS)):
-        for value in getattr(args, name + "s"):
-            if value not in known:
-                raise SystemExit(f"unknown {name} {value!r}; known: {', '.join(known)}")
+    for value in args.regimes:
+        if value not in REGIMES:
+            raise SystemExit(f"unknown regime {value!r}; known: {', '.join(REGIMES)}")
     return args
 
 

@@ -63,7 +63,7 @@ import workloads
 from kvroute.experiment import FleetSpec, fleet_process
 from kvroute.report import pyplot, save_figure
 from loadgen import Stats, closed_loop, latency_stats, stream_once
-from peers import PEERS, ROUTERS, Router, ensure_peer, kvroute_process, router_process
+from peers import PEERS, ROUTERS, Router, ensure_peer, kvroute_process, router_names, router_process
 from procstat import tree_cpu_s
 
 DEFAULT_ROUTERS = ("kvaware", "round_robin", "smg:cache_aware", "vllm-router:cache_aware")
@@ -506,10 +506,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--quick", action="store_true", help="a smoke test: 1 round, tiny sizes (under a minute)")
     args = ap.parse_args(argv)
-    args.routers = [r.strip() for r in (args.routers or ",".join(DEFAULT_ROUTERS)).split(",") if r.strip()]
-    for name in args.routers:
-        if name not in ROUTERS:
-            raise SystemExit(f"unknown router {name!r}; known: {', '.join(ROUTERS)}")
+    args.routers = router_names(args.routers, DEFAULT_ROUTERS)
     args.repeats = args.repeats or (1 if args.quick else 3)
     args.requests = args.requests or (100 if args.quick else 3000)
     args.prefix_tokens = args.prefix_tokens or ([1024, 4096] if args.quick else [8192, 32768])
