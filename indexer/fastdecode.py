@@ -157,9 +157,8 @@ def decode_batch_fast(payload: bytes) -> EventBatch:
         typed: list[Any] = raw_events  # narrowed by the type checks below, which mypy cannot follow
         for raw in typed:
             # One more removal from the same tier as the last event (vLLM sends one per evicted block) joins
-            # it, its hashes in order, so the ingest makes one pass, not one per block. Equal raw fields say so
-            # without converting; fields equal only once normalised ("cpu", "CPU") are found after converting.
-            joins: list[Any] | None = None
+            # it, its hashes in order, so the ingest makes one pass, not one per block; equal raw fields say so
+            # without converting it.
             if (
                 last is not None
                 and type(raw) is type(last)
@@ -169,27 +168,22 @@ def decode_batch_fast(payload: bytes) -> EventBatch:
                 and raw.ownership == last.ownership
                 and len(raw.block_hashes) <= MAX_BLOCKS_PER_EVENT
             ):
-                joins = raw.block_hashes
-            else:
-                event = _convert(raw)
-                if event is None:
-                    return decode_batch(payload)
-                if type(event) is not BlockRemoved:
-                    last = None
-                    events.append(event)
-                    continue
+                hashes.extend(raw.block_hashes)
+                if folds is None:
+                    folds = {}
+                at = len(events) - 1
+                folds[at] = folds.get(at, 1) + 1
+                continue
+            event = _convert(raw)
+            if event is None:
+                return decode_batch(payload)
+            if type(event) is BlockRemoved:
                 before = events[-1] if last is not None else None
                 if type(before) is BlockRemoved and same_removal_tier(event, before):
-                    joins = event.block_hashes
-                else:
-                    last, hashes = raw, event.block_hashes
-                    events.append(event)
-                    continue
-            hashes.extend(joins)
-            if folds is None:
-                folds = {}
-            at = len(events) - 1
-            folds[at] = folds.get(at, 1) + 1
-            last = raw
+                    return decode_batch(payload)  # equal only once normalised ("cpu", "CPU"): the reference folds
+                last, hashes = raw, event.block_hashes
+            else:
+                last = None
+            events.append(event)
         return EventBatch(ts=float(ts), events=events, dp_rank=dp_rank or 0, folds=folds)
     return decode_batch(payload)

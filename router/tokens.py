@@ -247,8 +247,8 @@ class Tokenizers:
         waits for a tokenizer.json to load or a plugin to import. Returns the ones that failed, with why
         (their requests route without the index, as they would have on first use)."""
         failed: dict[str, str] = {}
-        todo = [m for m in (models if models is not None else sorted(self._local_specs)) if m in self._local_specs]
-        todo = [m for m in todo if m not in self._sources]
+        wanted = models if models is not None else sorted(self._local_specs)
+        todo = [m for m in wanted if m in self._local_specs and m not in self._sources]
         if not todo:
             return failed
         loop = asyncio.get_running_loop()
