@@ -35,7 +35,9 @@ class WorkerMatch:
 
     ``blocks`` is the longest run of consecutive blocks from the start present in any tier;
     ``gpu``/``cpu``/``storage`` split that run by the fastest tier each block can be loaded from,
-    and ``remote`` counts the blocks of the run held only in REMOTE-locality tiers.
+    and ``remote`` counts the blocks of the run held only in REMOTE-locality tiers. ``pending`` counts
+    the run's last blocks the worker is still computing (a request routed there has not answered): a
+    request queued there reuses them, a peer cannot fetch them yet. The index itself leaves it 0.
     """
 
     worker_id: str
@@ -44,6 +46,7 @@ class WorkerMatch:
     cpu: int = 0
     storage: int = 0
     remote: int = 0
+    pending: int = 0
 
 
 @dataclass(slots=True)

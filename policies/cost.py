@@ -252,7 +252,8 @@ class KvAwarePolicy(Policy):
             exp.get("CPU", 0.0) * bpt / prm.promotion_cpu_bytes_per_s
             + exp.get("STORAGE", 0.0) * bpt / prm.promotion_storage_bytes_per_s
         )
-        served = max(0, match.blocks - max(0, match.remote)) * block
+        # What a peer can fetch: not the blocks held only remotely, nor those the worker is still computing.
+        served = max(0, match.blocks - max(0, match.remote, match.pending)) * block
         queue, kv_wait = self.queue.waits(w, request, tokens.get("GPU", 0), dry_run)
         return WorkerTerms(
             worker=w,

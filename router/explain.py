@@ -63,7 +63,14 @@ def explain_router() -> APIRouter:
                 "prompt_tokens": facts.prompt_tokens,
                 "block_size": facts.block_size,
                 "matches": {
-                    w: {"blocks": m.blocks, "gpu": m.gpu, "cpu": m.cpu, "storage": m.storage, "remote": m.remote}
+                    w: {
+                        "blocks": m.blocks,
+                        "gpu": m.gpu,
+                        "cpu": m.cpu,
+                        "storage": m.storage,
+                        "remote": m.remote,
+                        "pending": m.pending,
+                    }
                     for w, m in facts.matches.items()
                 },
                 "latency_class": facts.latency_class,

@@ -162,25 +162,30 @@ class FactGatherer:
 
     def _add_routed(self, route: RouteRequest, keys: list[int]) -> None:
         """A worker the prefix was just sent to holds it as soon as that request's prefill runs: beyond what
-        the index knows there, the rest of the routed prefix counts as GPU blocks (reconciled by the events)."""
+        the index knows there, the rest of the routed prefix counts as GPU blocks (reconciled by the events).
+        What a routed request is still computing there is marked ``pending``: no peer's source yet."""
         assert self.routed is not None
-        held = self.routed.held(route.model, keys)
-        for worker, blocks in held.items():
+        for worker, (blocks, ready) in self.routed.held_ready(route.model, keys).items():
             match = route.matches.get(worker)
             known = match.blocks if match is not None else 0
             if blocks <= known:
+                if ready < blocks and match is not None:
+                    route.matches[worker] = replace(match, pending=match.blocks - ready)
                 continue
-            extra = blocks - known
+            pending = blocks - ready if ready < blocks else 0
             if match is None:
-                route.matches[worker] = WorkerMatch(worker, blocks=blocks, gpu=blocks)
+                route.matches[worker] = WorkerMatch(worker, blocks=blocks, gpu=blocks, pending=pending)
             else:
-                route.matches[worker] = replace(match, blocks=blocks, gpu=match.gpu + extra)
+                route.matches[worker] = replace(match, blocks=blocks, gpu=match.gpu + blocks - known, pending=pending)
             self.metrics.routed_prefix_hits.inc()
 
     def routed_to(self, facts: Facts, worker_id: str) -> None:
-        """The policy sent the request's prefill to ``worker_id``: later requests sharing it may follow."""
+        """The policy sent the request's prefill to ``worker_id``: later requests sharing it may follow. What
+        the worker was not known to hold ready, it computes now."""
         if self.routed is not None and facts.keys:
-            self.routed.note(facts.route.request_id, facts.route.model, worker_id, facts.keys)
+            match = facts.route.matches.get(worker_id)
+            ready = match.blocks - match.pending if match is not None else 0
+            self.routed.note(facts.route.request_id, facts.route.model, worker_id, facts.keys, ready)
 
     def settled(self, facts: Facts) -> None:
         """The request's first bytes came back (its prefill ran, so the engine has published its blocks'

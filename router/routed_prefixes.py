@@ -17,6 +17,12 @@ Noting costs a few dict operations and one slice of the key list (its checkpoint
 counted into the per-worker key sets when a lookup (:meth:`RoutedPrefixes.held`) could see it. Most notes
 never are: a request usually gets its first bytes back, and its note forgotten, before the next lookup
 of a request sharing its prefix, so they cost no per-key bookkeeping at all.
+
+A note also says which part of its prefix the worker is still computing (what it was not known to hold
+when the request went there): those blocks are a local hit for a request queued behind it there, but not
+yet something a peer can fetch. A P2P fetch of them waits out the whole prefill on the source, which made
+a 905-token prompt take 155-189 ms where computing it afresh took 107 (design note "A prefix being
+computed is not a source yet").
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ class _Note:
     pair: Pair
     #: The prefix's checkpoint keys (see :meth:`RoutedPrefixes._checkpoint_keys`), never empty.
     keys: tuple[int, ...]
+    #: Index in ``keys`` of the first checkpoint the worker is computing (``len(keys)``: none).
+    computing_from: int
 
 
 class RoutedPrefixes:
@@ -60,6 +68,8 @@ class RoutedPrefixes:
         self._uncounted: dict[str, _Note] = {}
         #: Per (model, worker) with a counted note: checkpoint key -> how many counted notes hold it.
         self._count: dict[Pair, dict[int, int]] = {}
+        #: The same for the checkpoints a counted note's worker is still computing.
+        self._computing: dict[Pair, dict[int, int]] = {}
 
     @property
     def enabled(self) -> bool:
@@ -74,13 +84,17 @@ class RoutedPrefixes:
         points = tuple(keys[stride - 1 :: stride])
         return points if len(keys) % stride == 0 else (*points, keys[-1])
 
-    def note(self, request_id: str, model: str, worker_id: str, keys: Sequence[int]) -> None:
-        """``request_id`` went to ``worker_id``: its prefix counts as held there for ``ttl_s``."""
+    def note(self, request_id: str, model: str, worker_id: str, keys: Sequence[int], ready: int = 0) -> None:
+        """``request_id`` went to ``worker_id``: its prefix counts as held there for ``ttl_s``. ``ready``:
+        the blocks of it the worker was known to hold already; it computes the rest."""
         if not self.enabled or not keys:
             return
         self._expire()
         self.forget(request_id)
-        note = _Note(self._now() + self.ttl_s, (model, worker_id), self._checkpoint_keys(keys))
+        points = self._checkpoint_keys(keys)
+        # Checkpoint i stands for the blocks up to (i + 1) x stride: computing once it reaches past ``ready``.
+        computing_from = len(points) if ready >= len(keys) else max(0, ready) // self.stride
+        note = _Note(self._now() + self.ttl_s, (model, worker_id), points, computing_from)
         self._notes[request_id] = note
         self._uncounted[request_id] = note
         while len(self._notes) > self.max_notes:
@@ -94,23 +108,32 @@ class RoutedPrefixes:
 
     def held(self, model: str, keys: Sequence[int]) -> dict[str, int]:
         """Per worker with a live note for ``model``, the blocks of ``keys``' prefix routed there (0s left out)."""
+        return {worker: blocks for worker, (blocks, _) in self.held_ready(model, keys).items()}
+
+    def held_ready(self, model: str, keys: Sequence[int]) -> dict[str, tuple[int, int]]:
+        """Per worker with a live note for ``model``: (blocks of ``keys``' prefix routed there, how many of
+        them from the start no routed request is still computing there); workers with none left out."""
         if not self._notes or not keys:
             return {}
         self._expire()
         self._count_notes()
         points = self._checkpoint_keys(keys)
-        out: dict[str, int] = {}
-        for (of_model, worker), counts in self._count.items():
-            if of_model != model:
+        stride, n = self.stride, len(keys)
+        out: dict[str, tuple[int, int]] = {}
+        for pair, counts in self._count.items():
+            if pair[0] != model:
                 continue
+            computing = self._computing.get(pair, {})
             # Markers chain: the longest run of routed checkpoints from the start is the routed prefix.
-            run = 0
+            run = ready = 0
             for key in points:
                 if key not in counts:
                     break
                 run += 1
+                if ready == run - 1 and key not in computing:
+                    ready = run
             if run:  # the run's last checkpoint is block run x stride, or the prompt's last block
-                out[worker] = min(run * self.stride, len(keys))
+                out[pair[1]] = (min(run * stride, n), min(ready * stride, n))
         return out
 
     def _count_notes(self) -> None:
@@ -119,6 +142,10 @@ class RoutedPrefixes:
             counts = self._count.setdefault(note.pair, {})
             for key in note.keys:
                 counts[key] = counts.get(key, 0) + 1
+            if note.computing_from < len(note.keys):
+                computing = self._computing.setdefault(note.pair, {})
+                for key in note.keys[note.computing_from :]:
+                    computing[key] = computing.get(key, 0) + 1
         self._uncounted.clear()
 
     def _expire(self) -> None:
@@ -134,12 +161,18 @@ class RoutedPrefixes:
         """``note`` (of ``request_id``) is gone: uncount it, unless it never was counted."""
         if self._uncounted.pop(request_id, None) is not None:
             return
-        counts = self._count[note.pair]
-        for key in note.keys:
-            left = counts[key] - 1
-            if left > 0:
-                counts[key] = left
-            else:
-                del counts[key]
-        if not counts:
-            del self._count[note.pair]
+        _uncount(self._count, note.pair, note.keys)
+        if note.computing_from < len(note.keys):
+            _uncount(self._computing, note.pair, note.keys[note.computing_from :])
+
+
+def _uncount(table: dict[Pair, dict[int, int]], pair: Pair, keys: Sequence[int]) -> None:
+    counts = table[pair]
+    for key in keys:
+        left = counts[key] - 1
+        if left > 0:
+            counts[key] = left
+        else:
+            del counts[key]
+    if not counts:
+        del table[pair]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
@@ -193,6 +194,39 @@ async def test_kvaware_fetches_from_a_busy_holder_and_the_engine_serves_it(clien
         loads = sum(n for tier, n in plan["predicted_by_tier"].items() if tier != "GPU")
         assert plan["max_load_tokens"] == loads > 0
         assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == plan["predicted_cached_tokens"]
+
+
+async def test_a_prefix_still_being_computed_is_no_peers_source(client: httpx.AsyncClient) -> None:
+    """A request sent while its prefix is being computed on a busy worker (known to the router only from
+    routing it there) is not planned as a P2P fetch from that worker: the blocks are not there yet, and
+    the fetch would wait out the whole prefill (once computed, it is: the test above)."""
+    slow = {"sim-tiny": {"prefill_tokens_per_s": 2000.0}}  # the router's belief: fetching pays
+    async with routed_fleet(
+        2,
+        pool={"kv_protocol": "p2p"},
+        policy="kvaware",
+        debug_headers=True,
+        policy_options={"models": slow},
+        # The engines' truth: the first prompt's prefill takes ~1 s of real time.
+        fleet_options={"preset_overrides": {"gpu_blocks": 512, "prefill_tokens_per_s": 15.0}},
+    ) as (fleet, url, app):
+        first, second = fleet.workers
+        flow = app.state.kvroute.flow
+        kvaware = flow.policy
+        prompt = words(1500, "computing")
+        flow.policy = BusyHolder(kvaware, second.worker_id)  # the first request goes to `first`
+        computing = asyncio.create_task(client.post(f"{url}/v1/completions", json=completion(fleet.model, prompt)))
+        await eventually(lambda: len(flow.facts.routed) > 0, what="the first request routed")
+        flow.policy = BusyHolder(kvaware, first.worker_id)  # the holder is busy: a fetch would look good
+        r = await client.post(
+            f"{url}/v1/completions", json=completion(fleet.model, prompt), headers={"X-KVRoute-Debug": "1"}
+        )
+        assert r.status_code == 200
+        plan = orjson.loads(r.headers["x-kvroute-plan"])
+        # Decided from the routed note, i.e. while the first request had not answered yet.
+        assert metric((await client.get(f"{url}/metrics")).text, "kvroute_routed_prefix_hits_total") >= 1
+        assert plan["kv_source"] is None, plan
+        assert (await computing).status_code == 200
 
 
 async def test_p2p_disaggregated_legs(client: httpx.AsyncClient) -> None:

@@ -63,6 +63,19 @@ def test_p2p_source_when_fetching_beats_recomputing() -> None:
     assert plan.kv_load_tiers == [{"medium": "CPU", "locality": "REMOTE"}] and plan.max_offload_tokens is None
 
 
+def test_no_p2p_source_for_blocks_the_holder_is_still_computing() -> None:
+    """Routed there and not answered yet: a local hit for a request queued behind it, no source for a peer."""
+    ws = workers(2)
+    ws[1] = dataclasses.replace(ws[1], inflight=20)
+    computing = dataclasses.replace(gpu("w1", 1900), pending=1900)
+    plan = kvaware(kv_protocol="p2p").choose(request(32000, computing), ws)
+    assert plan.kv_source is None
+    most = dataclasses.replace(gpu("w1", 1900), pending=300)  # the first 1600 blocks are there: fetched
+    plan = kvaware(kv_protocol="p2p").choose(request(32000, most), ws)
+    assert (plan.prefill, plan.kv_source) == ("w0", "w1")
+    assert plan.predicted_by_tier == {"REMOTE": 1600 * 16}
+
+
 def test_no_p2p_source_when_the_tier_policy_forbids_planned_sources() -> None:
     ws = workers(2)
     ws[1] = dataclasses.replace(ws[1], inflight=20)

@@ -33,6 +33,21 @@ def test_a_routed_prefix_is_held_by_its_worker_only() -> None:
     assert routed.held("m", chain(40, seed=3)) == {}
 
 
+def test_what_a_routed_request_is_computing_is_not_ready_until_it_answers() -> None:
+    routed = RoutedPrefixes(ttl_s=5, stride=4, now=Clock())
+    keys = chain(40)
+    routed.note("r1", "m", "w0", keys, ready=10)  # w0 held 10 blocks; r1 computes the other 30
+    assert routed.held_ready("m", keys) == {"w0": (40, 8)}  # to the last checkpoint before block 10
+    routed.note("r2", "m", "w0", keys[:20], ready=20)  # queued behind r1: computing wins while r1 runs
+    assert routed.held_ready("m", keys) == {"w0": (40, 8)}
+    routed.forget("r1")
+    assert routed.held_ready("m", keys) == {"w0": (20, 20)}
+    routed.note("r3", "m", "w1", keys, ready=40)  # a whole hit: nothing computing
+    assert routed.held_ready("m", keys)["w1"] == (40, 40)
+    routed.note("r4", "m", "w2", keys[:6] + chain(3, seed=9))  # ready=0: all of it computing
+    assert routed.held_ready("m", keys)["w2"] == (4, 0)
+
+
 def test_notes_expire_and_failed_requests_are_forgotten() -> None:
     clock = Clock()
     routed = RoutedPrefixes(ttl_s=5, stride=8, now=clock)
