@@ -73,8 +73,9 @@ class ChildSpec:
 def bind_shared(host: str, port: int, *, listen: bool = True) -> socket.socket:
     """A TCP socket on (host, port) with ``SO_REUSEPORT``, the way every process of one ``kvroute serve``
     shares its port. ``listen=False`` only reserves the port (the kernel hands connections to listening
-    sockets only)."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sockets only). ``IPPROTO_TCP`` explicitly, so the asyncio loop disables Nagle on its connections (it does
+    only for sockets it knows to be TCP; uvloop always does)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
