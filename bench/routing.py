@@ -62,6 +62,13 @@ def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
 
 def oracle_cached(trace: Trace, results: Sequence[RequestResult], block: int = BLOCK) -> int:
     """Best possible cached tokens over the whole replay (see the module docstring)."""
+    return sum(cached for _, cached in oracle_per_request(trace, results, block))
+
+
+def oracle_per_request(
+    trace: Trace, results: Sequence[RequestResult], block: int = BLOCK
+) -> list[tuple[RequestResult, int]]:
+    """Each answered request with the most of its prompt any cache could have held when it was sent."""
     sessions = {s.id: s for s in trace.sessions}
     first_turns: dict[str, list[int]] = {
         s.id: encode_chat(
@@ -73,7 +80,7 @@ def oracle_cached(trace: Trace, results: Sequence[RequestResult], block: int = B
     by_turn = {(r.session, r.turn): r for r in ok}
     # When each request's prompt was in some cache: at its first token.
     computed = sorted((r.sent_s + (r.ttft_s or 0.0), r.session) for r in ok)
-    total = 0
+    out: list[tuple[RequestResult, int]] = []
     for r in ok:
         usable = (r.prompt_tokens - 1) // block * block
         if r.turn == 0:
@@ -88,14 +95,15 @@ def oracle_cached(trace: Trace, results: Sequence[RequestResult], block: int = B
                 ),
                 default=0,
             )
-            total += min(usable, shared // block * block)
+            out.append((r, min(usable, shared // block * block)))
             continue
         prev = by_turn.get((r.session, r.turn - 1))
         if prev is None:
+            out.append((r, 0))
             continue
         held = (prev.prompt_tokens + prev.completion_tokens - 1) // block * block
-        total += min(usable, held)
-    return total
+        out.append((r, min(usable, held)))
+    return out
 
 
 # -- one run's figures -----------------------------------------------------------------------------

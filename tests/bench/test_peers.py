@@ -195,6 +195,9 @@ def test_peers_bench_runs_every_cell_with_kvroute_routers(tmp_path: Path) -> Non
         assert med["answered"] == med["requests"] > 0 and med["errors"] == 0
         assert med["ttft_p50_ms"] > 0 and 0 <= med["goodput"] <= 1
         assert "ttft_p50_ms" in cell["ratios"] and cell["reference"] == "best other router"
+        # The floor is the engine's prefill of what no cache could hold: no run is below it.
+        assert 0 < med["floor_p50_ms"] <= med["floor_p99_ms"] <= med["ttft_p99_ms"]
+        assert med["floor_p50_ms"] <= med["ttft_p50_ms"]
     # Cached tokens are counted from usage wherever a prompt repeats a prefix.
     for trace in traces:
         assert cells[(trace, "light", "kvaware")]["median"]["cached_tokens"] > 0
