@@ -90,9 +90,16 @@ class Inbox:
             self.sock.get(zmq.EVENTS)  # takes the commands: the descriptor is quiet until the next ones
 
     async def drain(self) -> list[list[bytes]]:
-        """Wait for one message, then take what is already queued behind it (up to MAX_BURST)."""
+        """Wait for one message, then take what is already queued behind it (up to MAX_BURST).
+
+        A burst waits one turn of the loop first, so what else is ready goes before it (an engine announces
+        a prefill's blocks as it sends the first token: a response's first bytes read in the same turn are
+        forwarded before a long prompt's thousand-block batch is applied), and bursts arriving back to back
+        never hold the loop for longer than one of them (the memory index applies a burst without awaiting
+        anything)."""
         sock = self.sock
         while True:
+            await asyncio.sleep(0)
             burst: list[list[bytes]] = []
             while len(burst) < MAX_BURST and cast(int, sock.get(zmq.EVENTS)) & zmq.POLLIN:
                 burst.append(sock.recv_multipart(zmq.NOBLOCK))

@@ -86,3 +86,23 @@ async def test_a_busy_reader_does_not_spin_the_loop(
     # A descriptor left readable would wake a level-triggered loop on every turn: thousands in 0.3 s.
     assert 1 <= wakes <= 5
     assert [f[1] for f in await asyncio.wait_for(inbox.drain(), 5)] == [b"queued"]
+
+
+async def test_a_burst_waits_for_what_is_ready_before_it(pair: tuple[zmq.Socket[bytes], Inbox]) -> None:
+    """Events already queued still wait one turn of the loop: a callback ready before the burst (a
+    response's first bytes, read in the same turn) runs first, and back-to-back bursts never hold the loop."""
+    pub, inbox = pair
+    pub.send_multipart([b"t", b"0"])
+    sock = inbox.sock
+    for _ in range(500):  # until the message sits in the socket, so drain() needs no wake-up
+        if sock.get(zmq.EVENTS) & zmq.POLLIN:
+            break
+        await asyncio.sleep(0.01)
+    else:
+        pytest.fail("the message never arrived")
+    order: list[str] = []
+    asyncio.get_running_loop().call_soon(order.append, "ready before")
+    burst = await inbox.drain()
+    order.append("burst")
+    assert [f[1] for f in burst] == [b"0"]
+    assert order == ["ready before", "burst"]
