@@ -438,9 +438,9 @@ def run_figures(run: PolicyRun, trace: Trace, fleet: FleetSpec, slo_ms: float) -
     # and can beat it. Every prefix sent before it, caches never evicting, bounds every router (results
     # without TTFTs make oracle_cached use the send times).
     oracle = oracle_cached(trace, run.report.results, block)
-    sent_only = [replace(r, ttft_s=None) for r in run.report.results]
-    bound = oracle_cached(trace, sent_only, block)
-    floors = ttft_floors_ms(oracle_per_request(trace, sent_only, block), get_preset(fleet.preset))
+    cacheable = oracle_per_request(trace, [replace(r, ttft_s=None) for r in run.report.results], block)
+    bound = sum(cached for _, cached in cacheable)
+    floors = ttft_floors_ms(cacheable, get_preset(fleet.preset))
     row.update(
         oracle_share=saved / oracle if oracle else 1.0,
         bound_share=saved / bound if bound else 1.0,

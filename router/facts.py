@@ -166,18 +166,13 @@ class FactGatherer:
         What a routed request is still computing there is marked ``pending``: no peer's source yet."""
         assert self.routed is not None
         for worker, (blocks, ready) in self.routed.held_ready(route.model, keys).items():
-            match = route.matches.get(worker)
-            known = match.blocks if match is not None else 0
-            if blocks <= known:
-                if ready < blocks and match is not None:
-                    route.matches[worker] = replace(match, pending=match.blocks - ready)
-                continue
-            pending = blocks - ready if ready < blocks else 0
-            if match is None:
-                route.matches[worker] = WorkerMatch(worker, blocks=blocks, gpu=blocks, pending=pending)
-            else:
-                route.matches[worker] = replace(match, blocks=blocks, gpu=match.gpu + blocks - known, pending=pending)
-            self.metrics.routed_prefix_hits.inc()
+            match = route.matches.get(worker) or WorkerMatch(worker)
+            if blocks > match.blocks:
+                match = replace(match, blocks=blocks, gpu=match.gpu + blocks - match.blocks)
+                self.metrics.routed_prefix_hits.inc()
+            if ready < blocks:
+                match = replace(match, pending=match.blocks - ready)
+            route.matches[worker] = match
 
     def routed_to(self, facts: Facts, worker_id: str) -> None:
         """The policy sent the request's prefill to ``worker_id``: later requests sharing it may follow. What
