@@ -2,8 +2,11 @@
 #   docker build -t kvroute .
 #   docker run -p 8000:8000 kvroute serve --host 0.0.0.0 --worker http://vllm-0:8000
 FROM python:3.11-slim AS build
+# A C compiler and the xxHash headers for the compiled modules (setup.py: chain walk, key chain, event loops).
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev libxxhash-dev \
+    && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY kvroute_pkg ./kvroute_pkg
 COPY router ./router
 COPY indexer ./indexer
@@ -13,6 +16,7 @@ COPY sim ./sim
 RUN pip install --no-cache-dir --prefix=/install . aiohttp
 
 FROM python:3.11-slim
+RUN apt-get update && apt-get install -y --no-install-recommends libxxhash0 && rm -rf /var/lib/apt/lists/*
 RUN useradd --create-home --uid 10001 kvroute
 COPY --from=build /install /usr/local
 USER kvroute

@@ -4,17 +4,26 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-peers test test-fast test-vllm lint typecheck bench install redis-server clean
+.PHONY: demo demo-peers test test-fast test-vllm lint typecheck bench install build-deps redis-server clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q -U pip
 
-$(STAMP): $(BIN)/python pyproject.toml setup.py indexer/_walk.pyx sim/_pieces.pyx
+$(STAMP): $(BIN)/python pyproject.toml setup.py indexer/_walk.pyx indexer/_keychain.pyx indexer/_decode.pyx indexer/_apply.pyx sim/_pieces.pyx
+	@$(MAKE) --no-print-directory build-deps
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# The compiled key chain links the xxHash C library (its header from Debian's libxxhash-dev); without it that
+# one extension is not built and the keys are hashed in Python (same keys, slower; the tests say so).
+build-deps:
+	@test -f /usr/include/xxhash.h || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get update -qq && apt-get install -y -qq libxxhash-dev >/dev/null; \
+	  else echo "libxxhash-dev is missing: the compiled key chain will not be built (apt-get install libxxhash-dev)"; fi; }
 
 redis-server:
 	@command -v redis-server >/dev/null 2>&1 || { \

@@ -1,8 +1,12 @@
-"""Builds the compiled modules (the memory index's chain walk, the built-in tokenizer); everything else is
-in pyproject.toml.
+"""Builds the compiled modules (the memory index's chain walk, the block-key chain, the event decoder's
+token-id reader and removal fold, the ingest's removal loops, the built-in tokenizer); everything else is in
+pyproject.toml.
 
-Both extensions are optional: where one cannot be built, kvroute runs the same code in Python
-(``kvroute.indexer.memory.WALK``, ``kvroute.sim.tokenizer.TOKENIZER``) and says so at start-up.
+Every extension is optional: where one cannot be built, kvroute runs the same code in Python
+(``kvroute.indexer.memory.WALK``, ``kvroute.indexer.keys.CHAIN``, ``kvroute.indexer.fastdecode.DECODER``,
+``kvroute.indexer.ingest.APPLY``,
+``kvroute.sim.tokenizer.TOKENIZER``) and says so at start-up. The key chain links the xxHash C library
+(Debian: ``libxxhash-dev``; ``make install`` installs it as root), the same xxh3 the ``xxhash`` package wraps.
 """
 
 from Cython.Build import cythonize
@@ -12,6 +16,9 @@ setup(
     ext_modules=cythonize(
         [
             Extension("kvroute.indexer._walk", ["indexer/_walk.pyx"], optional=True),
+            Extension("kvroute.indexer._keychain", ["indexer/_keychain.pyx"], libraries=["xxhash"], optional=True),
+            Extension("kvroute.indexer._decode", ["indexer/_decode.pyx"], optional=True),
+            Extension("kvroute.indexer._apply", ["indexer/_apply.pyx"], optional=True),
             Extension("kvroute.sim._pieces", ["sim/_pieces.pyx"], optional=True),
         ],
         compiler_directives={"language_level": "3"},

@@ -4,13 +4,15 @@
     .venv/bin/python bench/request_timeline.py --policy round_robin --prefix-tokens 0   # small completions
     .venv/bin/python bench/request_timeline.py --prefix-tokens 32768 --rounds 6
     .venv/bin/python bench/request_timeline.py --prefix-tokens 1024 --cached   # one prompt, fully cached
+    .venv/bin/python bench/request_timeline.py --prefix-tokens 16384 --fresh   # a new long prompt every time
 
 One simulated fleet (``kvroute sim``, 2 workers, time scale 0.001) and ``kvroute serve`` in front of it,
 started through this script (``--serve``), which wraps the request path's stages with timestamps before
 handing over to the CLI: body read, parse, the decision (tokens, lookup, the policy's choice), the write
 to the worker, the worker's headers and first body bytes, the way back to the client (response object,
 head write, first chunk), and the report after the answer. The load is ``bench/peers_overhead.py``'s:
-``--prefix-tokens 0`` for its small completions, ``--cached`` for one prompt sent again and again, else its
+``--prefix-tokens 0`` for its small completions, ``--cached`` for one prompt sent again and again, ``--fresh``
+for a new prompt every time, else its
 growing agent chats (TTFT). Each round also measures the workers directly, so the router's added p50 is
 printed beside the stages. A diagnostic: the wrappers cost a microsecond or two per stage, and stage p50s
 do not add up to the total's p50.
@@ -183,8 +185,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--requests", type=int, default=1000, help="small completions per round")
     ap.add_argument("--steps", type=int, default=30, help="growing (or cached) requests per round")
-    ap.add_argument(
+    shape = ap.add_mutually_exclusive_group()
+    shape.add_argument(
         "--cached", action="store_true", help="one prompt of --prefix-tokens again and again (fully cached)"
+    )
+    shape.add_argument(
+        "--fresh", action="store_true", help="a new prompt of --prefix-tokens every time (nothing cached)"
     )
     args = ap.parse_args(argv)
 
@@ -195,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
 
     load = argparse.Namespace(requests=args.requests, steps=args.steps, step_tokens=256, max_tokens=8)
     if args.prefix_tokens:
-        kind = "cached" if args.cached else "grow"
+        kind = "cached" if args.cached else "fresh" if args.fresh else "grow"
         scenario = po.Scenario(f"{kind} {args.prefix_tokens}", kind, prefix_tokens=args.prefix_tokens)
     else:
         scenario = po.Scenario("small c1", "small", concurrency=1)

@@ -65,7 +65,8 @@ class BlockStored(msgspec.Struct, kw_only=True, gc=False):
 
     block_hashes: list[BlockHash]
     parent_block_hash: BlockHash | None = None
-    token_ids: list[int] = []
+    #: A list, or packed ids (:class:`~kvroute.indexer.keys.TokenIds`) from the fast decoder.
+    token_ids: Sequence[int] = []
     block_size: int = 0
     lora_id: int | None = None
     medium: str = "GPU"

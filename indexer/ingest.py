@@ -423,14 +423,20 @@ def _hold(view: GroupView, keys: list[int], bit: int, owner: str | None) -> None
         add_bits(bits_table, keys, bit)
 
 
-def _remove(view: GroupView, bit: int, hashes: list[BlockHash], owner: str | None) -> list[int]:
-    """Keys that left tier ``bit`` (their last copy went), for ``owner``'s removal of ``hashes``."""
-    alias = view.alias
-    bits = view.bits
+def remove_python(
+    alias: dict[BlockHash, int],
+    bits: dict[int, int],
+    holders: dict[tuple[int, int], dict[str | None, int]],
+    counts: dict[int, int],
+    chain: dict[BlockHash, int],
+    bit: int,
+    hashes: list[BlockHash],
+    owner: str | None,
+) -> list[int]:
+    """Keys that left tier ``bit`` (their last copy went), for ``owner``'s removal of ``hashes`` from a view
+    (its ``alias``, ``bits``, ``holders``, ``counts`` and ``chain`` maps). The reference of the compiled
+    :func:`remove` (``indexer/_apply.pyx``) and its fallback."""
     keys = []
-    holders = view.holders
-    counts = view.counts
-    chain = view.chain
     for h in hashes:
         key = alias.get(h)
         if key is None:
@@ -464,6 +470,34 @@ def _remove(view: GroupView, bit: int, hashes: list[BlockHash], owner: str | Non
         else:
             bits[key] = old & ~bit
     return keys
+
+
+#: The removal loop ingestion uses: compiled (setup.py builds it) or, where it was not built,
+#: :func:`remove_python`. ``APPLY`` says which.
+remove: Callable[
+    [
+        dict[BlockHash, int],
+        dict[int, int],
+        dict[tuple[int, int], dict[str | None, int]],
+        dict[int, int],
+        dict[BlockHash, int],
+        int,
+        list[BlockHash],
+        str | None,
+    ],
+    list[int],
+]
+try:
+    from kvroute.indexer._apply import remove as _compiled_remove
+
+    remove, APPLY = _compiled_remove, "compiled"
+except ImportError:  # pragma: no cover - only where the extension could not be built
+    remove, APPLY = remove_python, "python"
+
+
+def _remove(view: GroupView, bit: int, hashes: list[BlockHash], owner: str | None) -> list[int]:
+    """Keys that left tier ``bit`` (their last copy went), for ``owner``'s removal of ``hashes``."""
+    return remove(view.alias, view.bits, view.holders, view.counts, view.chain, bit, hashes, owner)
 
 
 _TIERS: dict[tuple[str, str], int] = {}

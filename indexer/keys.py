@@ -33,7 +33,7 @@ from __future__ import annotations
 import sys
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Generic, TypeVar, cast
 
 import msgspec
@@ -214,26 +214,48 @@ def chain_keys(
     return _chain(memoryview(token_view(tokens))[: size * 4], block_size, parent, extra_keys)
 
 
-def _chain(
-    data: memoryview, block_size: int, parent: int, extra_keys: Sequence[Sequence[object] | None] | None
-) -> list[int]:
-    """Keys of the whole blocks of packed token bytes ``data`` (a multiple of the block) from ``parent``."""
-    size = len(data) // 4
-    step = block_size * 4
+def chain_python(data: bytes | memoryview, block_bytes: int, parent: int) -> list[int]:
+    """Keys of the whole ``block_bytes``-byte blocks of packed token bytes ``data`` from ``parent``: the
+    reference of the compiled :func:`chain` (``indexer/_keychain.pyx``) and its fallback."""
+    if block_bytes <= 0:
+        raise ValueError("block_bytes must be positive")
+    view = memoryview(data)
     keys: list[int] = []
     append = keys.append
     key = parent & _MASK
     # The previous key is the seed of the next block's hash: no per-block byte concatenation.
+    for offset in range(0, len(view) // block_bytes * block_bytes, block_bytes):
+        key = _hash(view[offset : offset + block_bytes], key)
+        append(key)
+    return keys
+
+
+#: The key chain the index uses: compiled against the xxHash library (setup.py builds it) or, where it
+#: was not built, :func:`chain_python`. ``CHAIN`` says which (logged at start-up).
+chain: Callable[[bytes | memoryview, int, int], list[int]]
+try:
+    from kvroute.indexer._keychain import chain as _compiled_chain
+
+    chain, CHAIN = _compiled_chain, "compiled"
+except ImportError:  # pragma: no cover - only where the extension could not be built
+    chain, CHAIN = chain_python, "python"
+
+
+def _chain(
+    data: memoryview, block_size: int, parent: int, extra_keys: Sequence[Sequence[object] | None] | None
+) -> list[int]:
+    """Keys of the whole blocks of packed token bytes ``data`` (a multiple of the block) from ``parent``."""
+    step = block_size * 4
     if extra_keys is None:
-        for offset in range(0, size * 4, step):
-            key = _hash(data[offset : offset + step], key)
-            append(key)
-    else:
-        for i, offset in enumerate(range(0, size * 4, step)):
-            extra = extra_bytes(extra_keys[i]) if i < len(extra_keys) else b""
-            block = data[offset : offset + step]
-            key = _hash(bytes(block) + extra if extra else block, key)
-            append(key)
+        return chain(data, step, parent & _MASK)
+    keys: list[int] = []
+    append = keys.append
+    key = parent & _MASK
+    for i, offset in enumerate(range(0, len(data) // step * step, step)):
+        extra = extra_bytes(extra_keys[i]) if i < len(extra_keys) else b""
+        block = data[offset : offset + step]
+        key = _hash(bytes(block) + extra if extra else block, key)
+        append(key)
     return keys
 
 

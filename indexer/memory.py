@@ -11,7 +11,7 @@ the worker's own blocks, never a scan of the whole index.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvroute.indexer.backend import IndexBackend, IndexOp, WorkerIndexStats, WorkerMatch
@@ -253,6 +253,37 @@ except ImportError:  # pragma: no cover - only where the extension could not be 
     walk, walk_from, WALK = walk_python, walk_from_python, "python"
 
 
+def unhold_python(held: dict[int, int], blocks: dict[int, int], keys: Iterable[int], bit: int, shifted: int) -> int:
+    """Take tier ``bit`` (``shifted`` to the worker's slot in ``blocks``' bit sets) from ``keys`` in the
+    worker's reverse map ``held`` and the model's table ``blocks``; returns how many keys had it. The
+    reference of the compiled :func:`unhold` (``indexer/_apply.pyx``) and its fallback."""
+    n = 0
+    for key in keys:
+        old = held.get(key)
+        if old is None or not old & bit:
+            continue
+        if old == bit:
+            del held[key]
+        else:
+            held[key] = old & ~bit
+        n += 1
+        value = blocks[key] & ~shifted
+        if value:
+            blocks[key] = value
+        else:
+            del blocks[key]
+    return n
+
+
+unhold: Callable[[dict[int, int], dict[int, int], Iterable[int], int, int], int]
+try:
+    from kvroute.indexer._apply import unhold as _compiled_unhold
+
+    unhold = _compiled_unhold
+except ImportError:  # pragma: no cover - only where the extension could not be built
+    unhold = unhold_python
+
+
 class MemoryIndex(IndexBackend):
     """In-process index for one router (the embedded default).
 
@@ -304,21 +335,10 @@ class MemoryIndex(IndexBackend):
                         for key in present:  # stored again: the newest, evicted last
                             blocks[key] = blocks.pop(key)
             else:
-                for key in op.keys:
-                    old = held.get(key)
-                    if old is None or not old & bit:
-                        continue
-                    if old == bit:
-                        del held[key]
-                    else:
-                        held[key] = old & ~bit
-                    tiers[bit] -= 1
-                    table.epoch += 1
-                    value = blocks[key] & ~shifted
-                    if value:
-                        blocks[key] = value
-                    else:
-                        del blocks[key]
+                gone = unhold(held, blocks, op.keys, bit, shifted)
+                if gone:
+                    tiers[bit] -= gone
+                    table.epoch += gone
 
         if self.max_blocks is not None:
             self._bound()

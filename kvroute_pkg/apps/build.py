@@ -17,6 +17,9 @@ from fastapi import APIRouter
 from kvroute.config import RouterConfig, WorkerConfig
 from kvroute.indexer import memory as memory_index
 from kvroute.indexer.backend import IndexBackend
+from kvroute.indexer.fastdecode import DECODER
+from kvroute.indexer.ingest import APPLY
+from kvroute.indexer.keys import CHAIN
 from kvroute.indexer.maintenance import IndexMaintenance
 from kvroute.indexer.memory import MemoryIndex
 from kvroute.indexer.metrics import IndexerMetrics
@@ -73,6 +76,17 @@ def make_indexer(
 ) -> KVIndexer:
     """The index over the configured backend; ``metrics`` on the process's registry (default: prometheus')."""
     sizes = {m.name: m.block_size for m in config.models if m.block_size}
+    missing = [
+        name
+        for name, which in (("key chain", CHAIN), ("event decoder", DECODER), ("removal loops", APPLY))
+        if which != "compiled"
+    ]
+    if missing:
+        log.warning(
+            "compiled ingest parts not built (%s): they run in Python, same results, slower (reinstall with a C "
+            "compiler and libxxhash-dev)",
+            ", ".join(missing),
+        )
     return KVIndexer(backend or make_backend(config), block_sizes=sizes, metrics=metrics)
 
 

@@ -32,3 +32,7 @@ def test_the_wheel_holds_every_module(tmp_path: Path) -> None:
     }
     assert expected - names == set()
     assert any(n.endswith("entry_points.txt") for n in names)
+    # Every compiled module is built by the wheel build itself (each is optional: a missing one would only
+    # show as a slower router).
+    for module in ("indexer/_walk", "indexer/_keychain", "indexer/_decode", "indexer/_apply", "sim/_pieces"):
+        assert any(n.startswith(f"kvroute/{module}.") and n.endswith(".so") for n in names), module
