@@ -7,7 +7,8 @@ into a memory index (decode, our keys, the entity's view, the table), in this pr
 the same in ``--baseline``'s Python (another kvroute install), rounds interleaved. Prints the median time
 per message and per block moved (stored or removed), and the ratio to the baseline.
 
-    .venv/bin/python bench/fresh_events.py [--blocks 256 1024 4096] [--rounds 5] [--baseline /tmp/kv-old/.venv/bin/python]
+    .venv/bin/python bench/fresh_events.py [--blocks 256 1024 4096] [--rounds 5] \
+        [--baseline /tmp/kv-old/.venv/bin/python]
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[tuple[str, int], list[float]] = {}
     for k in range(args.rounds):
         for blocks in args.blocks:
-            for name, python in (targets.items() if k % 2 == 0 else reversed(targets.items())):
+            for name, python in targets.items() if k % 2 == 0 else reversed(targets.items()):
                 cmd = [python, __file__, "--child", str(blocks), "--messages", str(args.messages), "--rounds", str(k)]
                 samples = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
                 results.setdefault((name, blocks), []).append(statistics.median(samples))

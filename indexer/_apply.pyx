@@ -8,16 +8,24 @@ loop. Same results as the Python references (:func:`kvroute.indexer.ingest.remov
 fallbacks where this extension was not built.
 """
 
-from cpython.dict cimport PyDict_DelItem, PyDict_GetItem, PyDict_SetItem
+from cpython.dict cimport PyDict_Check, PyDict_DelItem, PyDict_GetItem, PyDict_SetItem
 from cpython.object cimport PyObject
 
 
-def remove(
-    dict alias, dict bits, dict holders, dict counts, dict chain, long bit, list hashes, owner
-):
+cdef inline dict _table(object table):
+    """``table`` as a dict, subclasses included (a typed ``dict`` argument would refuse them); read and
+    written through the dict API, as the Python references' ``dict`` operations do for plain dicts."""
+    if not PyDict_Check(table):
+        raise TypeError(f"expected a dict, got {type(table).__name__}")
+    return <dict>table
+
+
+def remove(alias_, bits_, holders_, counts, chain_, long bit, list hashes, owner):
     """Keys that left tier ``bit`` of a worker's view (their last copy went) for ``owner``'s removal of
     ``hashes``: ``alias`` vLLM hash -> key, ``bits`` key -> tier bits, ``holders`` (key, bit) -> copies
     per owner, ``counts`` blocks per tier bit, ``chain`` (lookahead hashing) vLLM hash -> plain key."""
+    cdef dict alias = _table(alias_), bits = _table(bits_), holders = _table(holders_)
+    cdef dict chain = _table(chain_)
     cdef list keys = []
     cdef PyObject* found
     cdef object h, key, held, where, bit_obj = bit
@@ -67,9 +75,10 @@ def remove(
     return keys
 
 
-def unhold(dict held, dict blocks, keys, long bit, shifted):
+def unhold(held_, blocks_, keys, long bit, shifted):
     """Take tier ``bit`` (``shifted`` to the worker's slot in ``blocks``' bit sets) from ``keys`` in the
     worker's reverse map ``held`` and the model's table ``blocks``; returns how many keys had it."""
+    cdef dict held = _table(held_), blocks = _table(blocks_)
     cdef PyObject* found
     cdef object key, value
     cdef object mask = ~shifted
@@ -96,3 +105,54 @@ def unhold(dict held, dict blocks, keys, long bit, shifted):
         else:
             PyDict_DelItem(blocks, key)
     return n
+
+
+def add_bits(table_, list keys, bit):
+    """``table[key] |= bit`` for every key (keys not there yet all get the one ``bit`` object, as
+    ``dict.fromkeys`` gives them); returns the keys that were there already."""
+    cdef dict table = _table(table_), olds = {}
+    cdef PyObject* found
+    cdef object key
+    for key in keys:
+        found = PyDict_GetItem(table, key)
+        if found is not NULL:
+            olds[key] = <object>found
+    for key in keys:
+        PyDict_SetItem(table, key, bit)
+    for key, old in olds.items():
+        PyDict_SetItem(table, key, old | bit)
+    return set(olds)
+
+
+def add_bits_counted(table_, list keys, bit):
+    """:func:`add_bits`, returning how many keys did not have ``bit`` before (for maintained counters)."""
+    cdef dict table = _table(table_), olds = {}
+    cdef PyObject* found
+    cdef object key
+    cdef Py_ssize_t before = len(table), new
+    for key in keys:
+        found = PyDict_GetItem(table, key)
+        if found is not NULL:
+            olds[key] = <object>found
+    for key in keys:
+        PyDict_SetItem(table, key, bit)
+    new = len(table) - before
+    for key, old in olds.items():
+        PyDict_SetItem(table, key, old | bit)
+        if not old & bit:
+            new += 1
+    return new
+
+
+def having(table_, list keys, long bit):
+    """The keys (in order, repeats kept) whose value in ``table`` has ``bit``: what a store's copies
+    bookkeeping must look at, usually none."""
+    cdef dict table = _table(table_)
+    cdef list out = []
+    cdef PyObject* found
+    cdef object key
+    for key in keys:
+        found = PyDict_GetItem(table, key)
+        if found is not NULL and <long><object>found & bit:
+            out.append(key)
+    return out

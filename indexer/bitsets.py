@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from kvroute.vocabulary import Tier
 
 _GPU, _CPU = int(Tier.GPU), int(Tier.CPU)
 
 
-def add_bits(table: dict[int, int], keys: list[int], bit: int) -> set[int]:
+def add_bits_python(table: dict[int, int], keys: list[int], bit: int) -> set[int]:
     """``table[key] |= bit`` for every key; C-level dict updates for the keys not there yet. Returns the
-    keys that were there already."""
+    keys that were there already. The reference of the compiled :func:`add_bits` and its fallback."""
     get = table.get
     if len(keys) == 1:
         key = keys[0]
@@ -29,8 +29,9 @@ def add_bits(table: dict[int, int], keys: list[int], bit: int) -> set[int]:
     return common
 
 
-def add_bits_counted(table: dict[int, int], keys: list[int], bit: int) -> int:
-    """:func:`add_bits`, returning how many keys did not have ``bit`` before (for maintained counters)."""
+def add_bits_counted_python(table: dict[int, int], keys: list[int], bit: int) -> int:
+    """:func:`add_bits`, returning how many keys did not have ``bit`` before (for maintained counters). The
+    reference of the compiled :func:`add_bits_counted` and its fallback."""
     get = table.get
     if len(keys) == 1:
         key = keys[0]
@@ -50,6 +51,23 @@ def add_bits_counted(table: dict[int, int], keys: list[int], bit: int) -> int:
         if not old & bit:
             new += 1
     return new
+
+
+def having_python(table: dict[int, int], keys: list[int], bit: int) -> list[int]:
+    """The keys (in order, repeats kept) whose value in ``table`` has ``bit``. The reference of the compiled
+    :func:`having` and its fallback."""
+    get = table.get
+    return [key for key in keys if get(key, 0) & bit]
+
+
+#: The compiled versions (``indexer/_apply.pyx``) where they were built (``kvroute.indexer.ingest.APPLY``).
+add_bits: Callable[[dict[int, int], list[int], int], set[int]]
+add_bits_counted: Callable[[dict[int, int], list[int], int], int]
+having: Callable[[dict[int, int], list[int], int], list[int]]
+try:
+    from kvroute.indexer._apply import add_bits, add_bits_counted, having
+except ImportError:  # pragma: no cover - only where the extension could not be built
+    add_bits, add_bits_counted, having = add_bits_python, add_bits_counted_python, having_python
 
 
 def named_counts(counts: dict[int, int]) -> dict[str, int]:

@@ -27,7 +27,7 @@ from typing import Any
 
 import orjson
 from kvroute.indexer.backend import IndexOp, OpKind
-from kvroute.indexer.bitsets import add_bits
+from kvroute.indexer.bitsets import add_bits, having
 from kvroute.indexer.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, EventBatch
 from kvroute.indexer.keys import chain_keys, lookahead_key, root_key
 from kvroute.vocabulary import Tier, tier_bit
@@ -403,14 +403,12 @@ def _hold(view: GroupView, keys: list[int], bit: int, owner: str | None) -> None
     bits_table = view.bits
     holders = view.holders
     had = 0
-    get = bits_table.get
-    for key in keys:
-        if get(key, 0) & bit:
-            had += 1
-            held = holders.get((key, bit))
-            if held is None:
-                held = holders[(key, bit)] = {None: 1}
-            held[owner] = held.get(owner, 0) + 1
+    for key in having(bits_table, keys, bit):  # usually none: a block stored again, or a second copy
+        had += 1
+        held = holders.get((key, bit))
+        if held is None:
+            held = holders[(key, bit)] = {None: 1}
+        held[owner] = held.get(owner, 0) + 1
     if owner is not None and had < len(keys):  # a secondary tier's first copies: recorded as its own
         for key in keys:
             if (key, bit) not in holders:

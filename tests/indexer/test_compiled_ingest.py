@@ -283,3 +283,36 @@ def test_compiled_table_removal_equals_the_python_one(seed: int, slot: int) -> N
         python_held, python_blocks, wanted, bit, shifted
     )
     assert (held, blocks) == (python_held, python_blocks)
+
+
+@settings(max_examples=300, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), wide=st.booleans())
+def test_compiled_bit_setting_equals_the_python_one(seed: int, wide: bool) -> None:
+    from kvroute.indexer import _apply, bitsets
+
+    rng = random.Random(seed)
+    shift = rng.randrange(0, 20) * SLOT_BITS if wide else 0
+    table = {rng.getrandbits(63): rng.choice(BITS) << shift for _ in range(rng.randrange(0, 40))}
+    pool = [*table, *(rng.getrandbits(63) for _ in range(20))]
+    wanted = [rng.choice(pool) for _ in range(rng.randrange(0, 30))]  # repeats, present and new keys
+    bit = rng.choice(BITS) << shift
+    for compiled, python in (
+        (_apply.add_bits, bitsets.add_bits_python),
+        (_apply.add_bits_counted, bitsets.add_bits_counted_python),
+    ):
+        mine, theirs = dict(table), dict(table)
+        assert compiled(mine, wanted, bit) == python(theirs, wanted, bit)
+        assert mine == theirs and list(mine) == list(theirs)  # same values, same insertion order
+    if not wide:
+        assert _apply.having(table, wanted, bit) == bitsets.having_python(table, wanted, bit)
+
+
+def test_keys_stored_together_share_one_value_object() -> None:
+    """The chain walk's fast runs rely on it (a pointer comparison per block)."""
+    from kvroute.indexer._apply import add_bits
+
+    table: dict[int, int] = {1: 4}
+    bit = 1 << 40
+    add_bits(table, [1, 2, 3, 4], bit)
+    assert table[2] is table[3] is table[4] is bit
+    assert table[1] == 4 | bit
