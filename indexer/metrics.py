@@ -39,6 +39,12 @@ class IndexerMetrics:
         self.replays = Counter(
             "kvroute_index_replays_total", "Replay requests, by outcome", ["worker", "outcome"], registry=r
         )
+        self.replay_resumes = Counter(
+            "kvroute_index_replay_resumes_total",
+            "Replays asked again from where they stopped (the engine's send queue dropped their tail)",
+            ["worker"],
+            registry=r,
+        )
         self.purges = Counter(
             "kvroute_index_purges_total", "Worker purges, by reason", ["worker", "reason"], registry=r
         )

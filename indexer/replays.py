@@ -51,6 +51,8 @@ class Feed:
     job: asyncio.Task[None] | None = None
     #: rank -> consecutive reconciliation checks that found the index diverged from the engine.
     diverged: dict[int, int] = field(default_factory=dict)
+    #: The catch-up replay at subscribe time has not ended yet: the index does not know this worker's cache.
+    catching_up: bool = False
 
     def clear_job(self) -> None:
         self.job, self.backlog, self.backlog_bytes = None, None, 0
@@ -130,18 +132,28 @@ class Replays:
 
     # ---- jobs ----------------------------------------------------------------------------------
 
-    def start_job(self, feed: Feed, action: Callable[[], Awaitable[None]]) -> None:
-        """Run ``action`` (replays) as the worker's job; its live messages wait in the backlog meanwhile."""
+    def start_job(self, feed: Feed, action: Callable[[], Awaitable[None]]) -> bool:
+        """Run ``action`` (replays) as the worker's job; its live messages wait in the backlog meanwhile.
+        False when a job already runs (``action`` is not run: that job resolves what is queued)."""
         if feed.backlog is None:
             feed.backlog, feed.backlog_bytes = deque(), 0
-        if feed.job is None:
-            feed.job = asyncio.create_task(self._job(feed, action), name=f"kv-replay-{feed.spec.worker_id}")
+        if feed.job is not None:
+            return False
+        feed.job = asyncio.create_task(self._job(feed, action), name=f"kv-replay-{feed.spec.worker_id}")
+        return True
 
     def start_catch_up(self, spec: WorkerSpec) -> None:
-        """At subscribe time (see :meth:`catch_up`), as the worker's job."""
+        """At subscribe time (see :meth:`catch_up`), as the worker's job; :attr:`Feed.catching_up` until it
+        ends (bounded by ``replay_max_s`` per rank), which the router's readiness waits for."""
         feed = self.feeds.get(spec.worker_id)
         if feed is not None and spec.replay is not None:
-            self.start_job(feed, lambda: self.catch_up(spec))
+            feed.catching_up = self.start_job(feed, lambda: self._catch_up_feed(feed))
+
+    async def _catch_up_feed(self, feed: Feed) -> None:
+        try:
+            await self.catch_up(feed.spec)
+        finally:
+            feed.catching_up = False
 
     async def _job(self, feed: Feed, action: Callable[[], Awaitable[None]]) -> None:
         spec = feed.spec
@@ -264,11 +276,16 @@ class Replays:
                 async with asyncio.timeout(self.replay_max_s):
                     dealer = self._dealer(spec, rank)
                     await dealer.send_multipart([b"", encode_seq(start)])
+                    asked = start
                     while True:
                         raise_if_cancel_swallowed()
-                        # asyncio.timeout, not wait_for: on Python 3.11 wait_for can drop a cancellation.
-                        async with asyncio.timeout(self.replay_timeout_s):
-                            frames = await dealer.recv_multipart()
+                        try:
+                            # asyncio.timeout, not wait_for: on Python 3.11 wait_for can drop a cancellation.
+                            async with asyncio.timeout(self.replay_timeout_s):
+                                frames = await dealer.recv_multipart()
+                        except TimeoutError:
+                            asked = await self._ask_again(spec, rank, dealer, asked)
+                            continue
                         if frames and frames[0] == b"":
                             frames = frames[1:]
                         if len(frames) == 2:  # older vLLM: no topic frame
@@ -290,3 +307,17 @@ class Replays:
                     dealer.close(0)
         self.metrics.replays.labels(entity, outcome).inc()
         return outcome
+
+    async def _ask_again(self, spec: WorkerSpec, rank: int, dealer: zmq.asyncio.Socket, asked: int) -> int:
+        """A reply that went silent before its end marker: ask again from where the index now is, if the
+        last answer moved it on (else the worker is not answering: ``TimeoutError``, the caller's outcome).
+
+        An engine answers a replay from a ROUTER socket, which drops what its send queue cannot hold
+        instead of waiting (vLLM sends the whole buffer in one loop, up to ``buffer_steps`` = 10,000
+        batches): a long replay arrives cut, its end marker lost with the rest. Returns the new start."""
+        now = self.indexer.expected_seq(spec.worker_id, rank)
+        if now is None or now <= asked:
+            raise TimeoutError
+        self.metrics.replay_resumes.labels(entity_id(spec.worker_id, rank)).inc()
+        await dealer.send_multipart([b"", encode_seq(now)])
+        return now

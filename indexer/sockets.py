@@ -131,6 +131,7 @@ def dealer_socket(ctx: zmq.asyncio.Context, endpoint: str, max_frame_bytes: int)
     """A DEALER connected to a worker rank's replay endpoint, frames bounded like the SUB's."""
     dealer = ctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
+    dealer.setsockopt(zmq.RCVHWM, RECV_HWM)
     dealer.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
     dealer.connect(endpoint)
     return dealer

@@ -220,6 +220,10 @@ class EventSubscriber:
         if self._running and spec.endpoint is not None:
             self._start_worker(spec)
 
+    def catching_up(self) -> list[str]:
+        """Workers whose catch-up replay (at subscribe time) has not ended: their cache is not known yet."""
+        return sorted(worker_id for worker_id, feed in self._feeds.items() if feed.catching_up)
+
     async def remove_worker(self, worker_id: str) -> None:
         """Stop listening and forget the worker's blocks."""
         spec = self._specs.pop(worker_id, None)

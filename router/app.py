@@ -192,13 +192,8 @@ async def _health(request: Request) -> Response:
 
 def _ready(state: RouterState) -> Callable[[Request], Any]:
     async def endpoint(request: Request) -> Response:
-        ok, missing = state.registry.ready(state.expected_models())
-        body = {
-            "ready": ok,
-            "models_without_healthy_worker": missing,
-            "healthy_workers": sum(1 for w in state.registry.all() if w.healthy),
-        }
-        return Response(orjson.dumps(body), status_code=200 if ok else 503, media_type="application/json")
+        body = state.readiness()
+        return Response(orjson.dumps(body), status_code=200 if body["ready"] else 503, media_type="application/json")
 
     return endpoint
 

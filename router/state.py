@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvroute.config import RouterConfig
 from kvroute.indexer.service import KVIndexer
@@ -70,6 +70,19 @@ class RouterState:
         if not self.config.index.subscribe:
             return {"routing": "kv_cache: shared index kept by another process (index.subscribe: false)"}
         return {"routing": "load_only: no event subscription"}
+
+    def readiness(self) -> dict[str, Any]:
+        """``/ready``'s answer (and the EPP's gRPC readiness): every model has a healthy worker, and the index
+        has caught up with what the subscribed workers cached before this replica came up (a fresh
+        replica would otherwise route blind; the catch-up is bounded by ``replay_max_s`` per rank)."""
+        ok, missing = self.registry.ready(self.expected_models())
+        catching_up = self.subscriptions.catching_up() if self.subscriptions is not None else []
+        return {
+            "ready": ok and not catching_up,
+            "models_without_healthy_worker": missing,
+            "healthy_workers": sum(1 for w in self.registry.all() if w.healthy),
+            "index_catching_up": catching_up,
+        }
 
     def expected_models(self) -> list[str]:
         names = [m.name for m in self.config.models]

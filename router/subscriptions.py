@@ -119,6 +119,10 @@ class SubscriptionSync:
             "routing": "kv_cache" if subscribed else "load_only: no worker's KV events are received",
         }
 
+    def catching_up(self) -> list[str]:
+        """Workers whose events are subscribed but whose cache the index has not caught up with yet."""
+        return self.subscriber.catching_up()
+
     async def _run(self) -> None:
         while True:
             raise_if_cancel_swallowed()  # a cancel dropped by a Redis purge in reconcile() ends the loop

@@ -89,7 +89,8 @@ class GrpcEpp:
         log.info("ext_proc endpoint picker listening on %s:%d", self.host, self.port)
 
     async def _maintain(self, health: Any, endpoints: Any) -> None:
-        """gRPC health mirrors ``/ready`` (serving once every model has a healthy worker), and worker names
+        """gRPC health mirrors ``/ready`` (serving once every model has a healthy worker and the index has
+        caught up), and worker names
         are re-resolved (pods get new addresses when they restart)."""
         from grpc_health.v1 import health_pb2
 
@@ -98,7 +99,7 @@ class GrpcEpp:
         await health.set("liveness", serving)
         while True:
             raise_if_cancel_swallowed()
-            ok, _ = state.registry.ready(state.expected_models())
+            ok = state.readiness()["ready"]
             for name in HEALTH_SERVICES:
                 if name != "liveness":
                     await health.set(name, serving if ok else not_serving)

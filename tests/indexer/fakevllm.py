@@ -24,9 +24,15 @@ from kvroute.indexer.events import (
     encode_batch,
     encode_seq,
 )
+from kvroute.indexer.service import KVIndexer
 from kvroute.sim.events import encode_batch_v033
 
 from tests.polling import eventually as eventually
+
+
+def count(indexer: KVIndexer, name: str, **labels: str) -> float:
+    """A sample of the indexer's own metrics registry (0 when the series does not exist yet)."""
+    return indexer.metrics.registry.get_sample_value(name, labels) or 0.0
 
 
 class Chain:
@@ -135,6 +141,11 @@ class Publisher:
         self.replay_endpoint = f"tcp://127.0.0.1:{replay_port}"
         self.replay_requests: list[int] = []
         self.old_style_replay = False
+        #: Answer at most this many batches per request and no end marker, as an engine's ROUTER does
+        #: when its send queue overflows (it drops the rest instead of waiting).
+        self.replay_cut: int | None = None
+        #: Seconds between replayed batches (an engine busy with its own work answers slowly).
+        self.replay_pause_s = 0.0
         self._task = asyncio.create_task(self._serve_replay())
 
     async def wait_subscribed(self, timeout: float = 10.0) -> None:
@@ -165,13 +176,17 @@ class Publisher:
             ident, _, start = await self.router.recv_multipart()
             first = int.from_bytes(start, "big")
             self.replay_requests.append(first)
-            for seq, payload in list(self.buffer):
-                if seq >= first:
-                    if self.old_style_replay:
-                        await self.router.send_multipart([ident, b"", encode_seq(seq), payload])
-                    else:
-                        await self.router.send_multipart([ident, b"", self.topic, encode_seq(seq), payload])
-            await self.router.send_multipart([ident, b"", REPLAY_END_SEQ, b""])
+            answer = [(seq, payload) for seq, payload in self.buffer if seq >= first]
+            cut = self.replay_cut is not None and len(answer) > self.replay_cut
+            for seq, payload in answer[: self.replay_cut] if cut else answer:
+                if self.replay_pause_s:
+                    await asyncio.sleep(self.replay_pause_s)
+                if self.old_style_replay:
+                    await self.router.send_multipart([ident, b"", encode_seq(seq), payload])
+                else:
+                    await self.router.send_multipart([ident, b"", self.topic, encode_seq(seq), payload])
+            if not cut:
+                await self.router.send_multipart([ident, b"", REPLAY_END_SEQ, b""])
 
     async def close(self) -> None:
         self._task.cancel()

@@ -22,13 +22,9 @@ from kvroute.indexer.service import KVIndexer
 from kvroute.indexer.subscriber import EventSubscriber, WorkerSpec
 from prometheus_client import CollectorRegistry
 
-from .fakevllm import Chain, Publisher, eventually
+from .fakevllm import Chain, Publisher, count, eventually
 
 PROMPT = list(range(900, 900 + 16 * 8))
-
-
-def count(indexer: KVIndexer, name: str, **labels: str) -> float:
-    return indexer.metrics.registry.get_sample_value(name, labels) or 0.0
 
 
 async def blocks_of(indexer: KVIndexer, worker: str, tokens: list[int] = PROMPT) -> int:

@@ -22,6 +22,7 @@ FAMILIES = {
     "kvroute_index_dropped": ("worker", "reason"),
     "kvroute_index_gaps": ("worker",),
     "kvroute_index_replays": ("worker", "outcome"),
+    "kvroute_index_replay_resumes": ("worker",),
     "kvroute_index_purges": ("worker", "reason"),
     "kvroute_index_blocks": ("worker",),
     "kvroute_index_event_lag_seconds": ("worker",),

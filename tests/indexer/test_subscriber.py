@@ -2,23 +2,26 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import AsyncIterator
 
 import pytest
 import zmq.asyncio
 from kvroute.indexer.backend import IndexBackend
-from kvroute.indexer.events import AllBlocksCleared
+from kvroute.indexer.events import AllBlocksCleared, BlockStored
+from kvroute.indexer.metrics import IndexerMetrics
 from kvroute.indexer.service import KVIndexer
 from kvroute.indexer.subscriber import EventSubscriber, WorkerSpec, rank_endpoint
+from prometheus_client import CollectorRegistry
 
-from .fakevllm import Chain, Publisher, eventually
+from .fakevllm import Chain, Publisher, count, eventually
 
 PROMPT = list(range(500, 500 + 16 * 8))
 
 
 @pytest.fixture
 async def setup(backend: IndexBackend, zctx: zmq.asyncio.Context) -> AsyncIterator[tuple]:
-    indexer = KVIndexer(backend)
+    indexer = KVIndexer(backend, metrics=IndexerMetrics(CollectorRegistry()))  # counted per test
     sub = EventSubscriber(indexer, grace_s=0.3, replay_timeout_s=2.0, ctx=zctx, bind="tcp://127.0.0.1:*")
     pubs: list[Publisher] = []
     yield indexer, sub, pubs
@@ -107,6 +110,50 @@ async def test_gap_is_filled_by_replay(setup, zctx, old_style: bool) -> None:  #
     # After the replay the live stream goes on normally.
     await pub.publish([chain.store(PROMPT[:80], start_block=4)])
     await eventually(lambda: _eq(blocks_of(indexer, "a"), 5))
+
+
+async def test_a_replay_cut_short_is_asked_again_from_where_it_stopped(setup, zctx) -> None:  # type: ignore[no-untyped-def]
+    """An engine's ROUTER drops the tail of a long replay, end marker included: the subscriber asks again
+    from where the index got to, and learns everything, instead of timing out with a partial index."""
+    indexer, sub, pubs = setup
+    pub = Publisher(zctx)
+    pub.replay_cut = 5
+    pubs.append(pub)
+    chain = Chain()
+    for k in range(1, 9):  # sent before anyone listened: only the catch-up replay can learn them
+        await pub.publish([chain.store(PROMPT[: 16 * k], start_block=k - 1)], lose=True)
+    sub.add_worker(WorkerSpec("a", "m", endpoint=pub.endpoint, replay=pub.replay_endpoint))
+    await sub.start()
+    await pub.wait_subscribed()
+    await eventually(lambda: _eq(blocks_of(indexer, "a"), 8), 10)
+    await eventually(lambda: sub._feeds["a"].job is None, 10)
+    assert pub.replay_requests == [0, 5]  # the second answer (3 batches) came whole, with its end marker
+    assert count(indexer, "kvroute_index_replay_resumes_total", worker="a") == 1
+    assert count(indexer, "kvroute_index_replays_total", worker="a", outcome="ok") == 1
+    assert count(indexer, "kvroute_index_replays_total", worker="a", outcome="timeout") == 0
+
+
+async def test_a_replay_longer_than_the_engines_send_queue_arrives_whole(setup, zctx) -> None:  # type: ignore[no-untyped-def]
+    """vLLM answers a replay with its whole buffer (up to 10,000 batches) in one loop on a ROUTER, whose send
+    queue holds 1,000 and drops the rest: the DEALER's receive queue must take them as fast as they come."""
+    indexer, sub, pubs = setup
+    pub = Publisher(zctx)
+    pubs.append(pub)
+    batches, per_batch = 3_000, 64  # ~5 KB a batch, 15 MB in all: more than the kernel's socket buffers hold
+    rng = random.Random(7)
+    tokens = [rng.randrange(150_000) for _ in range(16 * per_batch * batches)]
+    for k in range(batches):  # a chain: the index knows a batch's blocks only if it learnt every batch before
+        first = k * per_batch
+        hashes = list(range(first + 1, first + per_batch + 1))
+        span = tokens[16 * first : 16 * (first + per_batch)]
+        block = BlockStored(block_hashes=hashes, parent_block_hash=first or None, token_ids=span, block_size=16)
+        await pub.publish([block], lose=True)
+    sub.add_worker(WorkerSpec("a", "m", endpoint=pub.endpoint, replay=pub.replay_endpoint))
+    await sub.start()
+    await pub.wait_subscribed()
+    await eventually(lambda: count(indexer, "kvroute_index_replays_total", worker="a", outcome="ok") == 1, 60)
+    assert await blocks_of(indexer, "a", tokens) == batches * per_batch
+    assert pub.replay_requests == [0]
 
 
 async def test_replay_older_than_buffer_starts_afresh(setup, zctx) -> None:  # type: ignore[no-untyped-def]
