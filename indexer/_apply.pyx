@@ -107,10 +107,10 @@ def unhold(held_, blocks_, keys, long bit, shifted):
     return n
 
 
-def add_bits(table_, list keys, bit):
-    """``table[key] |= bit`` for every key (keys not there yet all get the one ``bit`` object, as
-    ``dict.fromkeys`` gives them); returns the keys that were there already."""
-    cdef dict table = _table(table_), olds = {}
+cdef dict _set_all(dict table, list keys, object bit):
+    """Set every key of ``keys`` to the one ``bit`` object; returns the values the keys had before (for
+    those that were there), which the callers or back in."""
+    cdef dict olds = {}
     cdef PyObject* found
     cdef object key
     for key in keys:
@@ -119,6 +119,14 @@ def add_bits(table_, list keys, bit):
             olds[key] = <object>found
     for key in keys:
         PyDict_SetItem(table, key, bit)
+    return olds
+
+
+def add_bits(table_, list keys, bit):
+    """``table[key] |= bit`` for every key (keys not there yet all get the one ``bit`` object, as
+    ``dict.fromkeys`` gives them); returns the keys that were there already."""
+    cdef dict table = _table(table_)
+    cdef dict olds = _set_all(table, keys, bit)
     for key, old in olds.items():
         PyDict_SetItem(table, key, old | bit)
     return set(olds)
@@ -126,16 +134,9 @@ def add_bits(table_, list keys, bit):
 
 def add_bits_counted(table_, list keys, bit):
     """:func:`add_bits`, returning how many keys did not have ``bit`` before (for maintained counters)."""
-    cdef dict table = _table(table_), olds = {}
-    cdef PyObject* found
-    cdef object key
+    cdef dict table = _table(table_)
     cdef Py_ssize_t before = len(table), new
-    for key in keys:
-        found = PyDict_GetItem(table, key)
-        if found is not NULL:
-            olds[key] = <object>found
-    for key in keys:
-        PyDict_SetItem(table, key, bit)
+    cdef dict olds = _set_all(table, keys, bit)
     new = len(table) - before
     for key, old in olds.items():
         PyDict_SetItem(table, key, old | bit)
