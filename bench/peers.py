@@ -430,6 +430,12 @@ def run_figures(run: PolicyRun, trace: Trace, fleet: FleetSpec, slo_ms: float) -
         metric_total(metric_samples(page), "vllm:prompt_tokens_total") for page in run.worker_metrics.values()
     ]
     computed = sum(per_worker)
+    # How the P2P sources answered lookups (HIT, MISS, HIT_PENDING: still computing, RETRY: too many
+    # transfers out): a plan that waited at its source shows here, not in the hit counts.
+    lookups: dict[str, float] = {}
+    for page in run.worker_metrics.values():
+        for labels, value in metric_samples(page).get("kvroute_sim:p2p_lookups_total", []):
+            lookups[labels.get("status", "?")] = lookups.get(labels.get("status", "?"), 0.0) + value
     served = row["gpu_hits_engine"] + row["cpu_hits_engine"] + row["remote_hits_engine"]
     prompt = row["prompt_tokens"]
     saved = prompt - (computed - served)
@@ -454,6 +460,7 @@ def run_figures(run: PolicyRun, trace: Trace, fleet: FleetSpec, slo_ms: float) -
         answered=len(ok),
         prefill_saved_ratio=saved / prompt if prompt else 0.0,
         duration_s=run.report.duration_s,
+        p2p_lookups=lookups,
     )
     return row
 
