@@ -435,7 +435,8 @@ def run_figures(run: PolicyRun, trace: Trace, fleet: FleetSpec, slo_ms: float) -
     lookups: dict[str, float] = {}
     for page in run.worker_metrics.values():
         for labels, value in metric_samples(page).get("kvroute_sim:p2p_lookups_total", []):
-            lookups[labels.get("status", "?")] = lookups.get(labels.get("status", "?"), 0.0) + value
+            status = labels.get("status", "?")
+            lookups[status] = lookups.get(status, 0.0) + value
     served = row["gpu_hits_engine"] + row["cpu_hits_engine"] + row["remote_hits_engine"]
     prompt = row["prompt_tokens"]
     saved = prompt - (computed - served)

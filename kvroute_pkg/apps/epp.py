@@ -89,9 +89,8 @@ class GrpcEpp:
         log.info("ext_proc endpoint picker listening on %s:%d", self.host, self.port)
 
     async def _maintain(self, health: Any, endpoints: Any) -> None:
-        """gRPC health mirrors ``/ready`` (serving once every model has a healthy worker and the index has
-        caught up), and worker names
-        are re-resolved (pods get new addresses when they restart)."""
+        """gRPC health mirrors ``/ready`` (:meth:`RouterState.readiness`: every model has a healthy worker and
+        the index has caught up), and worker names are re-resolved (pods get new addresses when they restart)."""
         from grpc_health.v1 import health_pb2
 
         state = self.state
