@@ -14,8 +14,14 @@ the GPU, batch mix and context length, and the index's view of caches lags the e
   sent sessions away from their history for queues that were not there;
 * a per-worker **service time**: the recent time one request keeps a worker busy before the next queued
   one starts, used for the queue-wait term (``load x service time``);
-* a **hit ratio**: reported cached tokens ÷ predicted cached tokens, which scales the probability that a
-  predicted hit is still there; the same numbers give the stale-decision counter and rate;
+* a **hit ratio**: the multiplier that makes the per-tier ``still_there`` priors match what the engines
+  report: each outcome's share of its predicted hit that was there, divided by the probability the plan
+  weighed that hit by before this ratio. The priors alone are constants: on a fleet whose engines
+  confirmed every hit, a GPU hit still counted at 0.95, so a 896-token hit of a 905-token prompt was
+  priced as 54 tokens of prefill instead of 9 (every receipt's TTFT 3 ms over what was observed), and
+  the ratio, capped at 1, could never correct it. Now it converges to 1 ÷ the prior there (the clamp at
+  probability 1 stays) and to the observed share where hits go missing. The same numbers give the
+  stale-decision counter and rate;
 * a per-tier **source factor**: the engines' per-source ground truth (vLLM's
   ``prompt_tokens_cached_by_source``, scraped) against the plans' predicted tokens per tier, relative to all
   tiers together — the hit ratio sets the level, this says which tier the misses come from (a CPU tier
@@ -39,6 +45,9 @@ from kvroute.vocabulary import SOURCE_OF_TIER
 
 _NON_PREFILL_TERMS = ("lookup_s", "transfer_s", "promotion_s", "handoff_s", "decode_queue_s")
 _NO_TERMS = (0.0,) * len(_NON_PREFILL_TERMS)
+#: Bound on the hit ratio: it may lift the still-there priors to certainty (1 ÷ the lowest default prior,
+#: 0.9, is 1.11) and somewhat past it, but one odd outcome cannot make a plan count a hit several times.
+MAX_HIT_RATIO = 1.25
 #: Predicted tokens of a tier (since the last update) below which its source factor is not updated.
 _MIN_SOURCE_TOKENS = 512
 
@@ -201,11 +210,23 @@ class Calibrator:
                 fb.stale_decisions += stale
                 self._recent.append((self.now(), stale))
                 self._trim()
-                ratio = min(1.0, reported / predicted)
-                self._hit_ratio += self.alpha * (ratio - self._hit_ratio)
+                if plan.prefill == plan.decode:  # a split's answer counts the KV the decoder pulled as cached
+                    self._learn_hit_ratio(min(1.0, reported / predicted), predicted, plan.breakdown)
         if not outcome.ok or outcome.ttft_s is None:
             return
         self._learn_speed(outcome, reported if reported is not None else predicted)
+
+    def _learn_hit_ratio(self, there: float, predicted: int, breakdown: Mapping[str, float]) -> None:
+        """``there``: the share of the ``predicted`` hit the engine had. The plan weighed that hit by
+        ``expected_cached_tokens`` ÷ ``predicted``: the priors (and the KV-pressure discount) times the
+        ratio of the moment (``hit_ratio`` in its breakdown); the ratio's target is what makes that product
+        the observed share."""
+        expected = breakdown.get("expected_cached_tokens")
+        ratio = self._hit_ratio
+        used = breakdown.get("hit_ratio", ratio)
+        weighed = expected / (predicted * used) if expected and used > 0 else 1.0
+        target = min(MAX_HIT_RATIO, there / weighed) if weighed > 0 else ratio
+        self._hit_ratio = ratio + self.alpha * (target - ratio)
 
     def _learn_speed(self, outcome: RouteOutcome, cached: int) -> None:
         bd = outcome.plan.breakdown

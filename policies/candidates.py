@@ -88,6 +88,8 @@ class WorkerTerms:
     peer_prob: float
     #: Expected wait for free KV blocks before the engine can admit the request (part of ``queue_s``).
     kv_wait_s: float = 0.0
+    #: Requests sent to this worker lately (decayed count): the tie-break between equally ranked plans.
+    traffic: float = 0.0
 
 
 @dataclass(slots=True)
@@ -105,12 +107,14 @@ class Option:
     terms: tuple[float, ...]
     note: str = ""
 
-    def key(self) -> tuple[float, bool, bool, int, str, str, str]:
-        """Best first; ties go to aggregated, then sourceless, then less loaded plans, then by ids."""
+    def key(self) -> tuple[float, bool, bool, float, int, str, str, str]:
+        """Best first; ties go to aggregated, then sourceless plans, then to the worker sent the least traffic
+        lately, then the less loaded, then by ids."""
         return (
             self.rank,
             self.p.worker.id != self.d.id,
             self.source is not None,
+            self.p.traffic,
             self.p.worker.load,
             self.p.worker.id,
             self.d.id,

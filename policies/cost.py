@@ -191,6 +191,8 @@ class KvAwarePolicy(Policy):
         odds = self.queue.tier_odds(self.calibrator.hit_ratio)  # the same for every worker
         p_remote = self.queue.still_there_on(None, "REMOTE", odds["REMOTE"])
         waits = self.queue.waits
+        traffic = self.queue.traffic
+        now = self.calibrator.now()
         locals_: dict[str, WorkerTerms] = {}
         for w in healthy:
             match = request.matches.get(w.id)
@@ -206,11 +208,13 @@ class KvAwarePolicy(Policy):
                     peer_tokens=0,
                     peer_prob=p_remote,
                     kv_wait_s=kv_wait,
+                    traffic=traffic(w.id, now),
                 )
             else:
-                locals_[w.id] = self._cached_terms(
+                locals_[w.id] = terms = self._cached_terms(
                     request, w, match, cap, odds, p_remote, usable_blocks(match, allow_storage, allow_remote), dry_run
                 )
+                terms.traffic = traffic(w.id, now)
         return Context(
             request=request,
             model=model,
@@ -374,7 +378,8 @@ class KvAwarePolicy(Policy):
             predicted_by_tier=by_tier,
             reuse_conversation=ranked[0].reuse,
             reason=lambda: _reason(prompt, best, runner, holder),
-            breakdown=dict(best.breakdown),
+            # The hit ratio the expectations were weighed with: what calibration divides out again.
+            breakdown={**best.breakdown, "hit_ratio": self.calibrator.hit_ratio},
             candidates=shown,
             policy=self.name,
         )

@@ -76,6 +76,12 @@ class CostParams:
     #: that carry noise; a session should move only for a clear gain (and then keeps moving freely
     #: under real load: the penalty is bounded, the queue term is not).
     affinity_weight: float = 1.0
+    #: Ties between equally ranked plans (above all a prefix nobody holds, on workers with no queue) go to
+    #: the worker sent the least traffic lately: a count of the requests routed there, decayed with this
+    #: time constant. Where a new prefix lands, its repeats follow; spreading new prefixes by the traffic
+    #: the workers already draw keeps one worker from collecting the popular ones (its hits then queue
+    #: behind its prefills), which the in-flight count of the moment, the tie-break before, did not.
+    traffic_window_s: float = 30.0
     #: TTFT added per request already outstanding on a separate decode worker.
     decode_queue_s_per_request: float = 0.001
     #: The pool's protocol (router config pool.kv_protocol): P2P sources need "p2p",
@@ -105,6 +111,7 @@ class CostParams:
             "promotion_cpu_bytes_per_s",
             "promotion_storage_bytes_per_s",
             "queue_parallelism",
+            "traffic_window_s",
         ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")

@@ -13,6 +13,7 @@ without a trace (``dry_run``).
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Iterable
 
@@ -53,6 +54,8 @@ class QueueModel:
         "_pending",
         "_replays",
         "_still_there",
+        "_traffic",
+        "_traffic_window_s",
         "_unknown_running_weight",
     )
 
@@ -65,6 +68,7 @@ class QueueModel:
         self._default_hold_s = params.default_hold_s
         self._still_there = params.still_there
         self._kv_pressure_decay = params.kv_pressure_decay
+        self._traffic_window_s = params.traffic_window_s
         #: Per worker: the requests this policy sent there, oldest first, until their outcome is observed:
         #: a virtual FIFO queue for the queue term, and the blocks they hold for the KV-space term.
         self._pending: dict[str, OrderedDict[str, Pending]] = {}
@@ -72,13 +76,17 @@ class QueueModel:
         self._replays: dict[str, Replay] = {}
         #: Per worker: EWMA of how long a request holds its KV blocks (sent -> outcome observed).
         self._hold_s: dict[str, float] = {}
+        #: Per worker: (decayed count of the requests sent there, when it was last brought up to date).
+        self._traffic: dict[str, tuple[float, float]] = {}
 
     # -- what choose and observe tell it ---------------------------------------------------------------
 
     def sent(self, worker_id: str, request_id: str, service_s: float, blocks: int) -> None:
         """``choose`` sent a request to ``worker_id``: it joins that worker's replay."""
+        now = self._calibrator.now()
+        self._traffic[worker_id] = (self.traffic(worker_id, now) + 1.0, now)
         pending = self._pending.setdefault(worker_id, OrderedDict())
-        pending[request_id] = (self._calibrator.now(), service_s, blocks)
+        pending[request_id] = (now, service_s, blocks)
         while len(pending) > self._max_pending:
             pending.popitem(last=False)
         self._replays.pop(worker_id, None)
@@ -95,6 +103,12 @@ class QueueModel:
             old = self._hold_s.get(outcome.plan.prefill)
             alpha = cal.alpha
             self._hold_s[outcome.plan.prefill] = held if old is None else (1 - alpha) * old + alpha * held
+
+    def traffic(self, worker_id: str, now: float) -> float:
+        """Requests sent to ``worker_id`` lately: each counts ``exp(-age / traffic_window_s)``. The tie-break
+        between equally ranked plans (see ``CostParams.traffic_window_s``)."""
+        count, at = self._traffic.get(worker_id, (0.0, now))
+        return count * math.exp(-(now - at) / self._traffic_window_s) if count and now > at else count
 
     # -- the terms -------------------------------------------------------------------------------------
 

@@ -17,12 +17,17 @@ from pathlib import Path
 from typing import IO, Any
 
 import orjson
-from kvroute.policies.base import RoutePlan
+from kvroute.policies.base import CandidatePlan, RoutePlan
 
 log = logging.getLogger("kvroute.receipts")
 
 #: Terms of a plan's breakdown worth keeping (seconds), in the order the cost model adds them.
 _TERMS = ("queue_s", "lookup_s", "transfer_s", "promotion_s", "prefill_s", "handoff_s", "decode_queue_s")
+#: Candidates kept after the chosen plan (the runner-up first): enough to show the best plan on each
+#: other worker of a small pool; each costs a little on the request path when receipts are written.
+ALTERNATIVES = 4
+#: Parts of the ranking beside the sum: the KV-space share of ``queue_s`` and the affinity penalty.
+_PARTS = ("kv_space_wait_s", "affinity_penalty_s")
 
 
 def receipt_of(
@@ -40,7 +45,7 @@ def receipt_of(
 ) -> dict[str, Any]:
     """One receipt as plain JSON-able data."""
     breakdown = plan.breakdown or {}
-    runner = plan.candidates[1] if len(plan.candidates) > 1 else None
+    alternatives = [_alternative(c) for c in plan.candidates[1 : 1 + ALTERNATIVES]]
     chosen_note = plan.candidates[0].note if plan.candidates else ""
     return {
         "at": at,
@@ -55,17 +60,12 @@ def receipt_of(
             "ttft_s": plan.predicted_ttft_s,
             "cached_tokens": plan.predicted_cached_tokens,
             "by_tier": dict(plan.predicted_by_tier or {}),
-            "terms": {t: breakdown[t] for t in _TERMS if t in breakdown},
+            "terms": _terms(breakdown),
         },
-        "runner_up": None
-        if runner is None
-        else {
-            "prefill": runner.prefill,
-            "decode": runner.decode,
-            "kind": runner.note,
-            "ttft_s": runner.breakdown.get("total_s"),
-            "cached_tokens": runner.predicted_cached_tokens,
-        },
+        "runner_up": alternatives[0] if alternatives else None,
+        # The next candidates, best first: whether the plan that would have been right was weighed, and
+        # which term put it behind.
+        "alternatives": alternatives,
         "observed": {
             "prompt_tokens": prompt_tokens,
             "cached_tokens": cached_tokens,
@@ -75,6 +75,23 @@ def receipt_of(
             "ok": ok,
         },
     }
+
+
+def _alternative(candidate: CandidatePlan) -> dict[str, Any]:
+    return {
+        "prefill": candidate.prefill,
+        "decode": candidate.decode,
+        "kv_source": candidate.kv_source,
+        "kind": candidate.note,
+        "ttft_s": candidate.breakdown.get("total_s"),
+        "rank_s": candidate.score,
+        "cached_tokens": candidate.predicted_cached_tokens,
+        "terms": _terms(candidate.breakdown),
+    }
+
+
+def _terms(breakdown: dict[str, float]) -> dict[str, float]:
+    return {t: breakdown[t] for t in (*_TERMS, *_PARTS) if t in breakdown}
 
 
 class Receipts:

@@ -50,5 +50,7 @@ async def test_receipts_hold_plan_prediction_runner_up_and_observation(tmp_path:
     assert last["predicted"]["terms"]["prefill_s"] >= 0
     assert last["runner_up"] is not None and last["runner_up"]["prefill"] != holder
     assert last["runner_up"]["ttft_s"] > 0 and last["runner_up"]["cached_tokens"] == 0  # the other worker holds none
+    assert last["runner_up"]["terms"]["prefill_s"] > last["predicted"]["terms"]["prefill_s"]  # it recomputes the prefix
+    assert last["alternatives"][0] == last["runner_up"] and last["runner_up"]["rank_s"] >= last["predicted"]["ttft_s"]
     lines = [orjson.loads(line) for line in path.read_bytes().splitlines()]  # flushed at shutdown
     assert [line["request_id"] for line in lines] == [r["request_id"] for r in receipts]

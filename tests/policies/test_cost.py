@@ -51,6 +51,25 @@ def test_no_hot_spot_on_a_popular_prefix() -> None:
     assert sum(1 for n in counts.values() if n > 0) >= 3
 
 
+def test_a_new_prefix_goes_to_the_worker_that_drew_the_least_traffic_lately() -> None:
+    """Idle workers tie on a prefix nobody holds; the one the last requests went to is not where the next
+    popular prefix should land, whatever the in-flight count of the moment says."""
+    clock = [0.0]
+    policy = kvaware(now=lambda: clock[0], traffic_window_s=30.0)
+    ws = workers(2)
+    for i in range(3):  # w0's prefix draws three requests, answered by the time the next prefix arrives
+        clock[0] += 1.0
+        plan = policy.choose(request(4000, gpu("w0", 200), request_id=f"a{i}"), ws)
+        assert plan.prefill == "w0"
+        policy.observe(RouteOutcome(f"a{i}", "m", plan, prompt_tokens=4000, cached_tokens=3200, ttft_s=0.1))
+    clock[0] += 10.0
+    fresh = policy.choose(request(4000, request_id="b"), ws)
+    assert fresh.prefill == "w1"  # before, the tie went by in-flight count (equal), then by id: w0
+    assert policy.queue.traffic("w0", clock[0]) == pytest.approx(3 * math.exp(-11 / 30), rel=0.05)
+    assert policy.queue.traffic("w1", clock[0]) == 1.0
+    assert policy.queue.traffic("w0", clock[0] + 600) < 1e-8  # twenty windows later: forgotten
+
+
 def test_p2p_source_when_fetching_beats_recomputing() -> None:
     ws = workers(2)
     ws[1] = dataclasses.replace(ws[1], inflight=20)  # the holder is busy
@@ -342,6 +361,7 @@ def test_unhealthy_and_missing_workers() -> None:
         {"link_bandwidth_bytes_per_s": {"ab": 1.0}},
         {"models": {"m": {"speed": 1}}},
         {"tier_policy": {"x": 1}},
+        {"traffic_window_s": 0},
     ],
 )
 def test_bad_options_are_refused_with_a_clear_error(options: dict[str, object]) -> None:
@@ -366,6 +386,37 @@ def test_calibration_learns_prefill_speed_and_counts_stale_decisions() -> None:
     clock[0] = 1000.0
     assert policy.stale_rate() == 0.0  # outside the window
     assert policy.calibrator.hit_ratio < 0.1
+
+
+def test_hits_the_engines_confirm_count_whole_and_missing_ones_at_their_observed_share() -> None:
+    """The still-there priors are a start: a fleet that confirms every hit lifts them to certainty, so a
+    nearly whole hit is priced as the prefill of its uncached tail, not of 5 % of the prompt more."""
+    policy = kvaware()
+    req = request(905, gpu("w0", 56))  # 896 of 905 tokens cached
+    first = policy.choose(req, workers(2))
+    assert first.breakdown["expected_cached_tokens"] == pytest.approx(0.95 * 896)
+    for i in range(40):
+        plan = policy.choose(dataclasses.replace(req, request_id=f"r{i}"), workers(2))
+        policy.observe(RouteOutcome(f"r{i}", "m", plan, prompt_tokens=905, cached_tokens=896, ttft_s=0.002))
+    confirmed = policy.choose(req, workers(2))
+    assert confirmed.breakdown["expected_cached_tokens"] == pytest.approx(896, rel=0.01)
+    assert confirmed.predicted_ttft_s < first.predicted_ttft_s
+    for i in range(60):  # now every other hit has gone: GPU hits weigh about half
+        plan = policy.choose(dataclasses.replace(req, request_id=f"m{i}"), workers(2))
+        policy.observe(RouteOutcome(f"m{i}", "m", plan, prompt_tokens=905, cached_tokens=896 * (i % 2), ttft_s=0.002))
+    halved = policy.choose(req, workers(2)).breakdown["expected_cached_tokens"]
+    assert 0.35 * 896 < halved < 0.65 * 896
+
+
+def test_a_split_answer_does_not_vouch_for_the_prefillers_hit() -> None:
+    """A P/D answer is the decoder's: its cached tokens are the KV it pulled, whatever the prefiller had."""
+    ws = workers(1, role="prefill", prefix="p") + workers(1, role="decode", prefix="d")
+    policy = kvaware(kv_protocol="nixl")
+    plan = policy.choose(request(16000, gpu("p0", 500)), ws)
+    assert (plan.prefill, plan.decode) == ("p0", "d0") and plan.predicted_cached_tokens == 8000
+    for _ in range(10):
+        policy.observe(RouteOutcome("r1", "m", plan, prompt_tokens=16000, cached_tokens=16000, ttft_s=0.5))
+    assert policy.calibrator.hit_ratio == 1.0
 
 
 def test_calibration_can_be_turned_off() -> None:
