@@ -22,7 +22,7 @@ from typing import Literal
 import zmq
 import zmq.asyncio
 from kvroute.indexer.entities import entity_id
-from kvroute.indexer.events import REPLAY_END_SEQ, encode_seq
+from kvroute.indexer.events import REPLAY_END_SEQ, EventDecodeError, decode_seq, encode_seq
 from kvroute.indexer.metrics import IndexerMetrics
 from kvroute.indexer.sequencing import GapPolicy, Handled
 from kvroute.indexer.service import KVIndexer
@@ -277,6 +277,7 @@ class Replays:
                     dealer = self._dealer(spec, rank)
                     await dealer.send_multipart([b"", encode_seq(start)])
                     asked = start
+                    first = True  # the next frame opens an answer: it may start past ``asked`` (buffer rolled)
                     while True:
                         raise_if_cancel_swallowed()
                         try:
@@ -285,6 +286,7 @@ class Replays:
                                 frames = await dealer.recv_multipart()
                         except TimeoutError:
                             asked = await self._ask_again(spec, rank, dealer, asked)
+                            first = True
                             continue
                         if frames and frames[0] == b"":
                             frames = frames[1:]
@@ -295,6 +297,14 @@ class Replays:
                             continue
                         if frames[1] == REPLAY_END_SEQ:
                             break
+                        if not first and self._after_hole(spec, rank, frames[1]):
+                            # The rest of this answer is on the old socket: closed with it.
+                            dealer.close(0)
+                            dealer = self._dealer(spec, rank)
+                            asked = await self._resume(spec, rank, dealer)
+                            first = True
+                            continue
+                        first = False
                         await self.indexer.handle_message(spec.worker_id, frames, replay=True)
             except TimeoutError:
                 outcome = "timeout"
@@ -308,6 +318,25 @@ class Replays:
         self.metrics.replays.labels(entity, outcome).inc()
         return outcome
 
+    def _after_hole(self, spec: WorkerSpec, rank: int, seq_frame: bytes) -> bool:
+        """Whether a replayed batch comes after one the answer left out: the engine's ROUTER drops what its
+        send queue cannot hold at that moment (a router starved of CPU drains it slowly) and goes on,
+        end marker included, so the batches after the hole chain on blocks the index never learnt."""
+        expected = self.indexer.expected_seq(spec.worker_id, rank)
+        try:
+            seq = decode_seq(seq_frame)
+        except EventDecodeError:
+            return False  # handle_message counts it
+        return expected is not None and seq > expected
+
+    async def _resume(self, spec: WorkerSpec, rank: int, dealer: zmq.asyncio.Socket) -> int:
+        """Ask ``dealer`` for the worker's batches from where the index got to; returns that start."""
+        start = self.indexer.expected_seq(spec.worker_id, rank)
+        assert start is not None  # a replay runs only for a known entity
+        self.metrics.replay_resumes.labels(entity_id(spec.worker_id, rank)).inc()
+        await dealer.send_multipart([b"", encode_seq(start)])
+        return start
+
     async def _ask_again(self, spec: WorkerSpec, rank: int, dealer: zmq.asyncio.Socket, asked: int) -> int:
         """A reply that went silent before its end marker: ask again from where the index now is, if the
         last answer moved it on (else the worker is not answering: ``TimeoutError``, the caller's outcome).
@@ -318,6 +347,4 @@ class Replays:
         now = self.indexer.expected_seq(spec.worker_id, rank)
         if now is None or now <= asked:
             raise TimeoutError
-        self.metrics.replay_resumes.labels(entity_id(spec.worker_id, rank)).inc()
-        await dealer.send_multipart([b"", encode_seq(now)])
-        return now
+        return await self._resume(spec, rank, dealer)

@@ -305,7 +305,13 @@ class KvAwarePolicy(Policy):
         moved = exp_remote * bpt
         if d.id != p.id:
             handoff = prm.handoff_s + self._transfer_s(ctx, ctx.prompt, p.id, d.id)
-            decode_queue = d.load * prm.decode_queue_s_per_request
+            # The decoder takes the request once the KV has arrived, in its next step; prefills it runs
+            # itself (short uncached tails, conditional disaggregation) hold its steps meanwhile: what of
+            # its own queue outlasts this plan's prefill side is waited for too.
+            ready_in = lp.queue_s + lookup + transfer + lp.promotion_s + prefill + handoff
+            decoder = ctx.locals.get(d.id)
+            busy = decoder.queue_s - ready_in if decoder is not None else 0.0
+            decode_queue = max(d.load * prm.decode_queue_s_per_request, busy)
             moved += ctx.prompt * bpt
         terms = (
             lp.queue_s,

@@ -144,6 +144,9 @@ class Publisher:
         #: Answer at most this many batches per request and no end marker, as an engine's ROUTER does
         #: when its send queue overflows (it drops the rest instead of waiting).
         self.replay_cut: int | None = None
+        #: Leave out the batches at these positions of the next answer, end marker kept: what a ROUTER whose
+        #: send queue filled for a moment drops from the middle of a reply (its consumer starved of CPU).
+        self.replay_holes: set[int] = set()
         #: Seconds between replayed batches (an engine busy with its own work answers slowly).
         self.replay_pause_s = 0.0
         self._task = asyncio.create_task(self._serve_replay())
@@ -178,7 +181,10 @@ class Publisher:
             self.replay_requests.append(first)
             answer = [(seq, payload) for seq, payload in self.buffer if seq >= first]
             cut = self.replay_cut is not None and len(answer) > self.replay_cut
-            for seq, payload in answer[: self.replay_cut] if cut else answer:
+            holes, self.replay_holes = self.replay_holes, set()
+            for at, (seq, payload) in enumerate(answer[: self.replay_cut] if cut else answer):
+                if at in holes:
+                    continue
                 if self.replay_pause_s:
                     await asyncio.sleep(self.replay_pause_s)
                 if self.old_style_replay:

@@ -133,9 +133,32 @@ async def test_a_replay_cut_short_is_asked_again_from_where_it_stopped(setup, zc
     assert count(indexer, "kvroute_index_replays_total", worker="a", outcome="timeout") == 0
 
 
+async def test_a_replay_with_a_hole_is_asked_again_from_the_hole(setup, zctx) -> None:  # type: ignore[no-untyped-def]
+    """A ROUTER whose send queue filled for a moment (the router starved of CPU) drops batches from the
+    middle of a reply and still sends its end marker: the batches after the hole chain on blocks the index
+    never learnt. The subscriber asks again from the hole instead of learning the rest as unknown parents."""
+    indexer, sub, pubs = setup
+    pub = Publisher(zctx)
+    pub.replay_holes = {3, 4}
+    pubs.append(pub)
+    chain = Chain()
+    for k in range(1, 9):
+        await pub.publish([chain.store(PROMPT[: 16 * k], start_block=k - 1)], lose=True)
+    sub.add_worker(WorkerSpec("a", "m", endpoint=pub.endpoint, replay=pub.replay_endpoint))
+    await sub.start()
+    await pub.wait_subscribed()
+    await eventually(lambda: _eq(blocks_of(indexer, "a"), 8), 10)
+    await eventually(lambda: sub._feeds["a"].job is None, 10)
+    assert pub.replay_requests == [0, 3]
+    assert count(indexer, "kvroute_index_replay_resumes_total", worker="a") == 1
+    assert count(indexer, "kvroute_index_replays_total", worker="a", outcome="ok") == 1
+    assert count(indexer, "kvroute_index_dropped_total", worker="a", reason="unknown_parent") == 0
+
+
 async def test_a_replay_longer_than_the_engines_send_queue_arrives_whole(setup, zctx) -> None:  # type: ignore[no-untyped-def]
     """vLLM answers a replay with its whole buffer (up to 10,000 batches) in one loop on a ROUTER, whose send
-    queue holds 1,000 and drops the rest: the DEALER's receive queue must take them as fast as they come."""
+    queue holds 1,000 and drops the rest: the DEALER's receive queue takes them as fast as they come, and
+    what is dropped all the same is asked for again, so the catch-up ends with the whole index."""
     indexer, sub, pubs = setup
     pub = Publisher(zctx)
     pubs.append(pub)
@@ -152,8 +175,19 @@ async def test_a_replay_longer_than_the_engines_send_queue_arrives_whole(setup, 
     await sub.start()
     await pub.wait_subscribed()
     await eventually(lambda: count(indexer, "kvroute_index_replays_total", worker="a", outcome="ok") == 1, 60)
-    assert await blocks_of(indexer, "a", tokens) == batches * per_batch
-    assert pub.replay_requests == [0]
+    # Redis takes the burst at its end, or from the local view if that write failed (a loaded machine):
+    # the blocks arrive there a little after the replay's end, all of them.
+    expected = batches * per_batch
+
+    async def all_blocks() -> bool:
+        return await blocks_of(indexer, "a", tokens) == expected
+
+    await eventually(all_blocks, 60, what=f"{expected} blocks in the index")
+    # Asked from 0, and whole. On a quiet machine in one answer (the receive queue takes it as fast as it
+    # comes); on a loaded one the engine's ROUTER may still drop some of it while the router is starved of
+    # CPU, and the subscriber asks again from where the index got to (the tests above): either way, ahead.
+    assert pub.replay_requests[0] == 0
+    assert all(0 < seq <= batches for seq in pub.replay_requests[1:])
 
 
 async def test_replay_older_than_buffer_starts_afresh(setup, zctx) -> None:  # type: ignore[no-untyped-def]

@@ -211,6 +211,28 @@ def test_pd_decode_legs_in_flight_are_running_decodes_not_prefills_ahead() -> No
     assert on_p0.breakdown["queue_s"] > 0.1  # twelve prefills ahead
 
 
+def test_pd_handoff_waits_for_a_decoder_busy_with_its_own_prefill() -> None:
+    """A decoder that was just sent a long prefill of its own takes the next handoff only after it: the
+    plan goes to the other decoder, and a plan on the busy one shows the wait beyond the prefill side."""
+    clock = [0.0]
+    ws = workers(1, role="prefill", prefix="p") + workers(2, role="decode", prefix="d")
+    policy = kvaware(kv_protocol="nixl", now=lambda: clock[0], calibrate=False)
+    local = policy.choose(request(200, gpu("d0", 12), request_id="short"), ws)  # a short tail: d0 prefills it
+    assert (local.prefill, local.decode) == ("d0", "d0")
+    policy.queue.sent("d0", "long-local", service_s=3.0, blocks=10)  # then a long one of its own
+    ws[1] = dataclasses.replace(ws[1], inflight=2)
+    plan = policy.choose(request(16000, request_id="r"), ws)
+    assert (plan.prefill, plan.decode) == ("p0", "d1")
+    explained = policy.explain(request(16000, request_id="x"), ws)
+    on_d0 = next(c for c in explained.candidates if c.prefill == "p0" and c.decode == "d0")
+    prefill_side = sum(on_d0.breakdown[t] for t in ("queue_s", "prefill_s", "handoff_s"))
+    assert on_d0.breakdown["decode_queue_s"] == pytest.approx(
+        3.0 + local.breakdown["prefill_s"] - prefill_side, rel=0.05
+    )
+    # Before the decoder's own queue counted, it was its in-flight count x a decode step: 2 ms.
+    assert on_d0.breakdown["decode_queue_s"] > 100 * 2 * 0.001
+
+
 def test_pd_pool_prefill_workers_serve_whole_requests_only_when_allowed() -> None:
     ws = workers(1, role="prefill", prefix="p") + workers(1, role="decode", prefix="d", running=8)
     held = request(16000, gpu("p0", 990))  # the prefill worker holds the prompt; the decoder is busy
