@@ -112,12 +112,27 @@ async def test_gap_is_filled_by_replay(setup, zctx, old_style: bool) -> None:  #
     await eventually(lambda: _eq(blocks_of(indexer, "a"), 5))
 
 
-async def test_a_replay_cut_short_is_asked_again_from_where_it_stopped(setup, zctx) -> None:  # type: ignore[no-untyped-def]
-    """An engine's ROUTER drops the tail of a long replay, end marker included: the subscriber asks again
-    from where the index got to, and learns everything, instead of timing out with a partial index."""
+@pytest.mark.parametrize(
+    ("damage", "asked"),
+    [
+        # The tail dropped, end marker included: asked again from where the index got to when it goes silent.
+        ({"replay_cut": 5}, [0, 5]),
+        # Batches dropped from the middle (a send queue full for a moment), the rest and the end marker sent:
+        # the batches after the hole chain on blocks never learnt; asked again from the hole.
+        ({"replay_holes": {3, 4}}, [0, 3]),
+    ],
+    ids=["cut_short", "with_a_hole"],
+)
+async def test_a_damaged_replay_is_asked_again_from_where_the_index_stopped(  # type: ignore[no-untyped-def]
+    setup, zctx, damage, asked
+) -> None:
+    """An engine's ROUTER drops what its send queue cannot hold instead of waiting: whatever part of a
+    replay it dropped, the subscriber learns everything, instead of a partial index (timed out, or "ok"
+    with the batches after a hole dropped as unknown parents)."""
     indexer, sub, pubs = setup
     pub = Publisher(zctx)
-    pub.replay_cut = 5
+    for name, value in damage.items():
+        setattr(pub, name, value)
     pubs.append(pub)
     chain = Chain()
     for k in range(1, 9):  # sent before anyone listened: only the catch-up replay can learn them
@@ -127,31 +142,10 @@ async def test_a_replay_cut_short_is_asked_again_from_where_it_stopped(setup, zc
     await pub.wait_subscribed()
     await eventually(lambda: _eq(blocks_of(indexer, "a"), 8), 10)
     await eventually(lambda: sub._feeds["a"].job is None, 10)
-    assert pub.replay_requests == [0, 5]  # the second answer (3 batches) came whole, with its end marker
+    assert pub.replay_requests == asked  # the second answer came whole, with its end marker
     assert count(indexer, "kvroute_index_replay_resumes_total", worker="a") == 1
     assert count(indexer, "kvroute_index_replays_total", worker="a", outcome="ok") == 1
     assert count(indexer, "kvroute_index_replays_total", worker="a", outcome="timeout") == 0
-
-
-async def test_a_replay_with_a_hole_is_asked_again_from_the_hole(setup, zctx) -> None:  # type: ignore[no-untyped-def]
-    """A ROUTER whose send queue filled for a moment (the router starved of CPU) drops batches from the
-    middle of a reply and still sends its end marker: the batches after the hole chain on blocks the index
-    never learnt. The subscriber asks again from the hole instead of learning the rest as unknown parents."""
-    indexer, sub, pubs = setup
-    pub = Publisher(zctx)
-    pub.replay_holes = {3, 4}
-    pubs.append(pub)
-    chain = Chain()
-    for k in range(1, 9):
-        await pub.publish([chain.store(PROMPT[: 16 * k], start_block=k - 1)], lose=True)
-    sub.add_worker(WorkerSpec("a", "m", endpoint=pub.endpoint, replay=pub.replay_endpoint))
-    await sub.start()
-    await pub.wait_subscribed()
-    await eventually(lambda: _eq(blocks_of(indexer, "a"), 8), 10)
-    await eventually(lambda: sub._feeds["a"].job is None, 10)
-    assert pub.replay_requests == [0, 3]
-    assert count(indexer, "kvroute_index_replay_resumes_total", worker="a") == 1
-    assert count(indexer, "kvroute_index_replays_total", worker="a", outcome="ok") == 1
     assert count(indexer, "kvroute_index_dropped_total", worker="a", reason="unknown_parent") == 0
 
 
