@@ -225,8 +225,7 @@ class Calibrator:
         ratio = self._hit_ratio
         used = breakdown.get("hit_ratio", ratio)
         weighed = expected / (predicted * used) if expected and used > 0 else 1.0
-        target = min(MAX_HIT_RATIO, there / weighed) if weighed > 0 else ratio
-        self._hit_ratio = ratio + self.alpha * (target - ratio)
+        self._hit_ratio = ratio + self.alpha * (min(MAX_HIT_RATIO, there / weighed) - ratio)
 
     def _learn_speed(self, outcome: RouteOutcome, cached: int) -> None:
         bd = outcome.plan.breakdown

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from operator import itemgetter
@@ -88,8 +89,9 @@ class WorkerTerms:
     peer_prob: float
     #: Expected wait for free KV blocks before the engine can admit the request (part of ``queue_s``).
     kv_wait_s: float = 0.0
-    #: Requests sent to this worker lately (decayed count): the tie-break between equally ranked plans.
-    traffic: float = 0.0
+    #: Requests sent to this worker lately, as ``QueueModel.traffic_order``: the tie-break between equally
+    #: ranked plans.
+    traffic: float = -math.inf
 
 
 @dataclass(slots=True)

@@ -191,8 +191,7 @@ class KvAwarePolicy(Policy):
         odds = self.queue.tier_odds(self.calibrator.hit_ratio)  # the same for every worker
         p_remote = self.queue.still_there_on(None, "REMOTE", odds["REMOTE"])
         waits = self.queue.waits
-        traffic = self.queue.traffic
-        now = self.calibrator.now()
+        traffic = self.queue.traffic_order
         locals_: dict[str, WorkerTerms] = {}
         for w in healthy:
             match = request.matches.get(w.id)
@@ -208,13 +207,13 @@ class KvAwarePolicy(Policy):
                     peer_tokens=0,
                     peer_prob=p_remote,
                     kv_wait_s=kv_wait,
-                    traffic=traffic(w.id, now),
+                    traffic=traffic(w.id),
                 )
             else:
                 locals_[w.id] = terms = self._cached_terms(
                     request, w, match, cap, odds, p_remote, usable_blocks(match, allow_storage, allow_remote), dry_run
                 )
-                terms.traffic = traffic(w.id, now)
+                terms.traffic = traffic(w.id)
         return Context(
             request=request,
             model=model,
@@ -309,8 +308,7 @@ class KvAwarePolicy(Policy):
             # itself (short uncached tails, conditional disaggregation) hold its steps meanwhile: what of
             # its own queue outlasts this plan's prefill side is waited for too.
             ready_in = lp.queue_s + lookup + transfer + lp.promotion_s + prefill + handoff
-            decoder = ctx.locals.get(d.id)
-            busy = decoder.queue_s - ready_in if decoder is not None else 0.0
+            busy = ctx.locals[d.id].queue_s - ready_in  # every candidate decoder is a healthy worker
             decode_queue = max(d.load * prm.decode_queue_s_per_request, busy)
             moved += ctx.prompt * bpt
         terms = (

@@ -76,15 +76,16 @@ class QueueModel:
         self._replays: dict[str, Replay] = {}
         #: Per worker: EWMA of how long a request holds its KV blocks (sent -> outcome observed).
         self._hold_s: dict[str, float] = {}
-        #: Per worker: (decayed count of the requests sent there, when it was last brought up to date).
-        self._traffic: dict[str, tuple[float, float]] = {}
+        #: Per worker: log of the decayed count of the requests sent there, as of time 0 (``log(count) + at /
+        #: traffic_window_s``): comparing workers needs no clock and no decay each time a decision reads it.
+        self._traffic: dict[str, float] = {}
 
     # -- what choose and observe tell it ---------------------------------------------------------------
 
     def sent(self, worker_id: str, request_id: str, service_s: float, blocks: int) -> None:
         """``choose`` sent a request to ``worker_id``: it joins that worker's replay."""
         now = self._calibrator.now()
-        self._traffic[worker_id] = (self.traffic(worker_id, now) + 1.0, now)
+        self._traffic[worker_id] = math.log(self.traffic(worker_id, now) + 1.0) + now / self._traffic_window_s
         pending = self._pending.setdefault(worker_id, OrderedDict())
         pending[request_id] = (now, service_s, blocks)
         while len(pending) > self._max_pending:
@@ -105,10 +106,14 @@ class QueueModel:
             self._hold_s[outcome.plan.prefill] = held if old is None else (1 - alpha) * old + alpha * held
 
     def traffic(self, worker_id: str, now: float) -> float:
-        """Requests sent to ``worker_id`` lately: each counts ``exp(-age / traffic_window_s)``. The tie-break
-        between equally ranked plans (see ``CostParams.traffic_window_s``)."""
-        count, at = self._traffic.get(worker_id, (0.0, now))
-        return count * math.exp(-(now - at) / self._traffic_window_s) if count and now > at else count
+        """Requests sent to ``worker_id`` lately: each counts ``exp(-age / traffic_window_s)``."""
+        order = self._traffic.get(worker_id)
+        return 0.0 if order is None else math.exp(order - now / self._traffic_window_s)
+
+    def traffic_order(self, worker_id: str) -> float:
+        """A value that orders workers as :meth:`traffic` does at any one time (its log plus a constant):
+        the tie-break between equally ranked plans (see ``CostParams.traffic_window_s``)."""
+        return self._traffic.get(worker_id, -math.inf)
 
     # -- the terms -------------------------------------------------------------------------------------
 
