@@ -32,6 +32,10 @@ class WorkerView:
     #: Scraped from the worker's /metrics (vllm:num_requests_running / _waiting / kv_cache_usage_perc).
     running: int = 0
     waiting: int = 0
+    #: ``inflight`` when that scrape was taken (None: not known, then ``inflight`` stands for it). What the
+    #: engine counted beyond it are other clients' requests; measured against ``inflight`` now instead, our
+    #: own requests that finished since the scrape would count as foreign work that is not there.
+    scraped_inflight: int | None = None
     kv_usage: float = 0.0
     #: GPU KV-cache size in blocks (vllm:cache_config_info num_gpu_blocks), when the worker reports it.
     kv_blocks: int | None = None
@@ -51,10 +55,16 @@ class WorkerView:
         return self.role in ("both", "decode")
 
     @property
+    def foreign(self) -> int:
+        """Requests the engine held at its last scrape beyond ours then: other clients', other router
+        processes' or replicas'. Never our own, counted in ``inflight`` already."""
+        ours = self.inflight if self.scraped_inflight is None else self.scraped_inflight
+        return max(0, self.running + self.waiting - ours)
+
+    @property
     def load(self) -> int:
-        """Outstanding work: what we sent, or what the engine reports (running + waiting) when that is more
-        (other clients, or requests we sent that it still holds). Never both: that would count twice."""
-        return max(self.inflight, self.running + self.waiting)
+        """Outstanding work: what we have in flight plus what the engine holds for others."""
+        return self.inflight + self.foreign
 
 
 @dataclass(slots=True)

@@ -157,10 +157,13 @@ class QueueModel:
         queue from the times they were sent with their predicted service times) say when the worker will
         be free. Work it cannot replay counts by calibrated service time: in full for requests the router
         has in flight or the engine reports *waiting*, at ``unknown_running_weight`` for the rest of the
-        engine's *running* count. Those are other clients' requests or, far more often, a scrape older
-        than our own finished requests; either way most running requests are decoding, which delays a new
-        prefill little (continuous batching), and counting them as full prefills sent sessions away from
-        the worker holding their history for a queue that was not there. On a decode-role worker what
+        engine's *running* count. Only what the engine held beyond our own in-flight requests *at the time
+        of its scrape* is foreign (``WorkerView.foreign``): against our count now, our requests finished
+        since the scrape counted as foreign work (a scrape a second old, 16 req/s of 2-second streams:
+        9-30 ms of queue predicted on workers that answered a cached request in 2 ms). Most running
+        requests are decoding, which delays a new prefill little (continuous batching), and counting them
+        as full prefills sent sessions away from the worker holding their history for a queue that was
+        not there. On a decode-role worker what
         runs, the router's in-flight P/D decode legs included, is decoding: a prefill there waits for them
         as a decode leg does (``decode_queue_s_per_request`` each), not as for prefills (counted as full
         prefills, 12 decode legs priced a decoder's own 150-token prefill at +240 ms, out of every plan).
@@ -171,9 +174,9 @@ class QueueModel:
         if own:
             known = max(0.0, free_at - cal.now())
         sent_unknown = max(0, w.inflight - own)
-        scraped = max(0, w.running + w.waiting - max(w.inflight, own))
-        waiting = min(scraped, w.waiting)
-        running = scraped - waiting
+        foreign = w.foreign
+        waiting = min(foreign, w.waiting)
+        running = foreign - waiting
         if w.role == "decode":  # decodes (P/D legs): a new prefill joins their next step, as a decode leg does
             decodes = running + sent_unknown
             return (known + waiting * cal.service_time(w.id)) / self._parallelism + decodes * self._decode_step_s

@@ -49,6 +49,9 @@ class WorkerLoad:
     #: vLLM >= 0.32's ``vllm:prompt_tokens_cached_by_source`` (device, host, disk, p2p, ...): ground truth.
     cached_by_source: dict[str, float] = field(default_factory=dict)
     scraped_at: float | None = None
+    #: The router's in-flight count to the worker when the scrape was answered: what of ``running +
+    #: waiting`` was ours then (see ``WorkerView.scraped_inflight``).
+    inflight: int | None = None
 
 
 @dataclass(slots=True)
@@ -101,6 +104,7 @@ class WorkerState:
             inflight=self.inflight,
             running=int(self.load.running),
             waiting=int(self.load.waiting),
+            scraped_inflight=load.inflight,
             kv_usage=self.load.kv_usage,
             kv_blocks=self.load.num_gpu_blocks,
             p2p_host=cfg.p2p_host,
@@ -445,6 +449,7 @@ class WorkerRegistry:
             if status != 200:
                 return
             load = parse_vllm_metrics(body.decode("utf-8", "replace"))
+            load.inflight = state.inflight
         except Exception as exc:
             log.debug("metrics scrape of %s failed: %r", state.id, exc)
             return

@@ -514,6 +514,28 @@ def test_engine_running_count_beyond_what_we_sent_weighs_little() -> None:
         kvaware(unknown_running_weight=-1)
 
 
+def test_our_requests_finished_since_the_scrape_are_not_foreign_work() -> None:
+    """The engine's count is compared with what we had in flight when it was scraped, not now: 10 running
+    then, all ours, 4 of them finished since. Against ``inflight`` now that read as 6 foreign requests
+    (a queue the worker did not have, which sent a cached repeat away from its holder); other clients'
+    requests beyond ours at the scrape still count."""
+    ws = workers(2)
+    ws[0] = dataclasses.replace(ws[0], running=10, inflight=6, scraped_inflight=10)
+    assert (ws[0].foreign, ws[0].load) == (0, 6)
+    policy = kvaware(calibrate=False)
+    plan = policy.explain(request(4000, gpu("w0", 3900)), ws)
+    queue = next(c for c in plan.candidates if c.prefill == "w0").breakdown["queue_s"]
+    assert queue == pytest.approx(6 * 0.1)  # our own six, in full: nothing foreign
+    ws[0] = dataclasses.replace(ws[0], running=10, waiting=2, inflight=6, scraped_inflight=7)
+    assert (ws[0].foreign, ws[0].load) == (5, 11)
+    plan = policy.explain(request(4000, gpu("w0", 3900)), ws)
+    queue = next(c for c in plan.candidates if c.prefill == "w0").breakdown["queue_s"]
+    assert queue == pytest.approx((6 + 2 + 3 * 0.2) * 0.1)
+    # Not known (a view built without a scrape): our count now stands for it, as before.
+    ws[0] = dataclasses.replace(ws[0], running=10, waiting=0, inflight=6, scraped_inflight=None)
+    assert (ws[0].foreign, ws[0].load) == (4, 10)
+
+
 def test_calibration_separates_a_fixed_overhead_from_prefill_speed() -> None:
     """TTFT = 10 ms + the configured prefill time: the scale must stay near 1 (not absorb the constant)."""
     policy = kvaware()

@@ -1,5 +1,6 @@
-"""An engine restart seen in the registry's scrape (its monotonic counters went back) sets the worker's
-index entries aside until its next events: vLLM publishes nothing about its lost cache until it steps."""
+"""What the registry's scrape makes of an engine's page: an engine restart (its monotonic counters went
+back) sets the worker's index entries aside until its next events, as vLLM publishes nothing about its lost
+cache until it steps; the running count is read against the requests the router had in flight then."""
 
 from __future__ import annotations
 
@@ -82,4 +83,38 @@ async def test_a_restarted_engines_entries_are_doubted_until_its_next_events() -
         await indexer.handle_message("w", frames([stored], 0))
         match = (await indexer.lookup_tokens("m", PROMPT)).matches["w"]
         assert match.blocks == 2
+    await transport.aclose()
+
+
+async def test_a_scrape_is_read_against_the_requests_in_flight_when_it_was_taken() -> None:
+    """Four requests in flight when the engine reported four running: none foreign, and still none once
+    three of them finished (the page not scraped again yet); the next scrape shows one of another client."""
+    running = {"n": 4.0}
+
+    async def metrics(request: Request) -> Response:
+        return PlainTextResponse(
+            f'# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{{engine="0"}} {running["n"]}\n'
+        )
+
+    async def health(request: Request) -> Response:
+        return Response(status_code=200)
+
+    app = Starlette(routes=[Route("/metrics", metrics), Route("/health", health)])
+    transport = HttpxTransport(1, 1)
+    async with serve(app) as url:
+        registry = WorkerRegistry([WorkerConfig(url=url, id="w", models=["m"])], transport, RouterMetrics())
+        await registry.probe_all()
+        for _ in range(4):
+            registry.acquire("w")
+        await registry.scrape_all()
+        (view,) = registry.views("m")
+        assert (view.running, view.scraped_inflight, view.foreign, view.load) == (4, 4, 0, 4)
+        for _ in range(3):
+            registry.release("w")
+        (view,) = registry.views("m")
+        assert (view.inflight, view.foreign, view.load) == (1, 0, 1)
+        running["n"] = 2.0
+        await registry.scrape_all()
+        (view,) = registry.views("m")
+        assert (view.scraped_inflight, view.foreign, view.load) == (1, 1, 2)
     await transport.aclose()
