@@ -41,6 +41,7 @@ import asyncio
 import contextlib
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -67,6 +68,7 @@ from kvroute.experiment import (
     wait_until_ready,
 )
 from kvroute.report import pyplot, save_figure
+from kvroute.sim.hop_log import HOP_LOG_ENV
 from kvroute.sim.presets import Preset, get_preset
 from kvroute.sim.replay import RequestResult, percentile, replay
 from kvroute.sim.timing import prefill_seconds
@@ -494,6 +496,8 @@ METRICS = (
     "requests",
     "answered",
     "errors",
+    *(f"hop_{name}_ms" for name in ("forward", "engine", "return")),
+    "hop_matched",
 )
 #: Lower is better for these; higher for the rest of RATIOS.
 LOWER = {"ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "e2e_p50_ms"}
@@ -538,6 +542,21 @@ def _spread(cell: dict[str, Any], key: str, fmt: str) -> str:
     if cell["seeds"] < 2:
         return fmt.format(med)
     return f"{fmt.format(med)} ({fmt.format(cell['min'][key])}-{fmt.format(cell['max'][key])})"
+
+
+def hop_markdown(cells: list[dict[str, Any]]) -> str:
+    """``--hops``: where each router's time to first token goes, per request (real ms)."""
+    lines = [
+        "Per request, time to first token in hops (real ms; medians over requests, then over seeds):",
+        "",
+        "| trace | router | client → engine | engine | engine → client |",
+        "|---|---|---|---|---|",
+    ]
+    for c in cells:
+        if "hop_forward_ms" in c["median"]:
+            hops = [_spread(c, f"hop_{name}_ms", "{:.2f}") for name in ("forward", "engine", "return")]
+            lines.append("| " + " | ".join([c["trace"], c["router"], *hops]) + " |")
+    return "\n".join(lines)
 
 
 def markdown(cells: list[dict[str, Any]], regime: Regime, native_pd: bool = True) -> str:
@@ -650,6 +669,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--groups", type=int, default=0, help="shared-prefix groups (default requests / 10)")
     ap.add_argument("--retries", type=int, default=1, help="more tries for a run that fails (default 1)")
     ap.add_argument(
+        "--hops",
+        action="store_true",
+        help="split each request's TTFT into client -> engine, engine, engine -> client (the workers log)",
+    )
+    ap.add_argument(
         "--no-peer-pd",
         dest="peer_pd",
         action="store_false",
@@ -689,8 +713,12 @@ def run_one(
     """One router on a fresh fleet: its figures, or ``failed`` after ``--retries`` more tries (a router
     that does not start is retried, so one bad start does not leave a hole in a long run)."""
     error = ""
+    hop_path = workdir / f"hops-{router.name.replace(':', '-')}.log"
     for attempt in range(1 + args.retries):
         progress = Progress(label, trace.n_requests)
+        hop_path.unlink(missing_ok=True)
+        if args.hops:
+            os.environ[HOP_LOG_ENV] = str(hop_path)  # read by the fleet's workers, started below
         try:
             if router.kind == "kvroute":
                 receipts_path = workdir / f"receipts-{router.policy}.jsonl"
@@ -707,13 +735,46 @@ def run_one(
             figs = {**run_figures(run, trace, fleet, args.slo_ms), "attempts": attempt + 1}
             if explained is not None:
                 figs["receipts"] = explained
+            if args.hops:
+                figs.update(hop_split(run.report.results, hop_path))
             return figs
         except Exception as exc:  # one router failing must not lose the rest of a long run
             progress.finish()
             error = f"{type(exc).__name__}: {exc}"[:3000]
             print(f"  {router.name} failed (try {attempt + 1}): {error[:300]}", file=sys.stderr)
             time.sleep(3)
+        finally:
+            os.environ.pop(HOP_LOG_ENV, None)
     return {"failed": error}
+
+
+def hop_split(results: Sequence[RequestResult], hop_path: Path) -> dict[str, float]:
+    """Per request, the client's time to first token in three hops (real ms, medians over the requests):
+    client to engine (the router's way in, its decision included), engine (queue, prefill, the first
+    token's write), engine to client (the router's way back). The engines' side is the workers' hop log
+    (``kvroute.sim.hop_log``); a request is matched by its prompt key and, where the key was sent more than
+    once, by the latest arrival before the engine saw it. P/D plans: the decode leg's arrival counts."""
+    arrivals: dict[int, list[tuple[float, float]]] = {}
+    if hop_path.exists():
+        for line in hop_path.read_text().splitlines():
+            key, arrival, first = line.split()
+            arrivals.setdefault(int(key), []).append((float(arrival), float(first)))
+    hops: dict[str, list[float]] = {"forward": [], "engine": [], "return": []}
+    for r in results:
+        if r.first_at is None:
+            continue
+        seen = [a for a in arrivals.get(r.prompt_key, ()) if r.sent_at <= a[0] <= a[1] <= r.first_at]
+        if not seen:
+            continue
+        arrival, first = max(seen)
+        hops["forward"].append((arrival - r.sent_at) * 1e3)
+        hops["engine"].append((first - arrival) * 1e3)
+        hops["return"].append((r.first_at - first) * 1e3)
+    if not hops["forward"]:
+        return {}
+    return {f"hop_{name}_ms": statistics.median(values) for name, values in hops.items()} | {
+        "hop_matched": len(hops["forward"])
+    }
 
 
 def summarize(results: Results, specs: list[TraceSpec], regimes: list[Regime], routers: list[Router]) -> None:
@@ -743,6 +804,8 @@ def report(results: Results, specs: list[TraceSpec], regimes: list[Regime], args
         )
         if png:
             md += [f"![{regime.name}]({png.name})", ""]
+        if any("hop_forward_ms" in c["median"] for c in cells):
+            md += [hop_markdown(cells), ""]
         explained = [r for r in results.runs if r["regime"] == regime.name and r.get("receipts")]
         if explained:
             md += ["Receipts (kvroute's own account of its decisions, per run):", "", "```"]

@@ -14,6 +14,7 @@ from kvroute.sim.admission import REJECTION_TYPE, AdmissionRejected
 from kvroute.sim.engine import EngineError, EngineRequest
 from kvroute.sim.errors import ApiError, error_body
 from kvroute.sim.flight import Flight, GenerationHandlers
+from kvroute.sim.hop_log import hop_log, prompt_key
 from kvroute.sim.http_common import (
     chat_max_tokens,
     chat_prompt,
@@ -78,6 +79,7 @@ class OpenAIHandlers(GenerationHandlers):
     async def _generate(self, request: Request, *, chat: bool) -> Response:
         worker = self.worker
         arrival = asyncio.get_running_loop().time()
+        reached = time.monotonic()
         if not worker.healthy:
             return error_response(503, "The engine is not healthy.", "ServiceUnavailableError")
         try:
@@ -96,7 +98,9 @@ class OpenAIHandlers(GenerationHandlers):
             options = body.get("stream_options")
             if isinstance(options, dict):
                 include_usage = bool(options.get("include_usage"))
-            stream = self._stream(flight, req, body_id, created, chat, include_usage)
+            hops = hop_log()
+            key = (prompt_key(body), reached) if hops is not None else None
+            stream = self._stream(flight, req, body_id, created, chat, include_usage, key)
             return self._streaming(flight, stream, {"X-Request-Id": req.request_id})
         try:
             await self._run(flight, req)
@@ -152,8 +156,16 @@ class OpenAIHandlers(GenerationHandlers):
         )
 
     async def _stream(
-        self, flight: Flight, req: EngineRequest, body_id: str, created: int, chat: bool, include_usage: bool
+        self,
+        flight: Flight,
+        req: EngineRequest,
+        body_id: str,
+        created: int,
+        chat: bool,
+        include_usage: bool,
+        hop: tuple[int, float] | None = None,
     ) -> AsyncGenerator[bytes, None]:
+        """The SSE answer; ``hop`` (key, arrival): the first token's send goes to the hop log."""
         worker = self.worker
         obj = "chat.completion.chunk" if chat else "text_completion"
         head = {"id": body_id, "object": obj, "created": created, "model": worker.model}
@@ -176,6 +188,9 @@ class OpenAIHandlers(GenerationHandlers):
                     choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": None, "stop_reason": None}
                 sent += produced
                 yield _sse({**head, "choices": [choice]})
+                if hop is not None and (hops := hop_log()) is not None:  # the first token is on the wire
+                    hops.write(hop[0], hop[1], time.monotonic())
+                    hop = None
             end: dict[str, object] = {"logprobs": None, "finish_reason": "length", "stop_reason": None}
             last = {"index": 0, "delta": {}, **end} if chat else {"index": 0, "text": "", **end}
             yield _sse({**head, "choices": [last]})

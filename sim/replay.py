@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 import orjson
+from kvroute.sim.hop_log import prompt_key
 from kvroute.sim.traces import Session, Trace
 
 #: Where to send a request: one base URL, or a function of (session, turn) -> base URL (client-side routing).
@@ -36,6 +37,11 @@ class RequestResult:
     completion_tokens: int = 0
     status: int = 0
     error: str | None = None
+    #: :func:`~kvroute.sim.hop_log.prompt_key` of the request, and ``time.monotonic()`` when it was sent and
+    #: when its first content arrived: the client's side of ``bench/hops.py``.
+    prompt_key: int = 0
+    sent_at: float = 0.0
+    first_at: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -87,6 +93,8 @@ async def _one(
     client: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str], result: RequestResult
 ) -> str:
     """Send one streaming chat request; fill ``result``; return the answer text."""
+    result.prompt_key = prompt_key(body)
+    result.sent_at = time.monotonic()
     t0 = time.perf_counter()
     pieces: list[str] = []
     try:
@@ -108,6 +116,7 @@ async def _one(
                     if text:
                         if result.ttft_s is None:
                             result.ttft_s = time.perf_counter() - t0
+                            result.first_at = time.monotonic()
                         pieces.append(text)
                 usage = chunk.get("usage")
                 if usage:

@@ -145,7 +145,7 @@ def test_chat_and_sizing_helpers() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def _run_peers(work: Path, traces: str, regimes: str) -> dict[tuple[str, str, str], Any]:
+def _run_peers(work: Path, traces: str, regimes: str, *extra: str) -> dict[tuple[str, str, str], Any]:
     done = subprocess.run(
         [
             sys.executable,
@@ -168,6 +168,7 @@ def _run_peers(work: Path, traces: str, regimes: str) -> dict[tuple[str, str, st
             regimes,
             "--work",
             str(work),
+            *extra,
         ],
         capture_output=True,
         text=True,
@@ -188,7 +189,7 @@ def test_peers_bench_runs_every_cell_with_kvroute_routers(tmp_path: Path) -> Non
     traces = ("mooncake", "shared_prefix@16", "agentic", "chat")
     regimes = ("light", "pressure", "tiered", "pd")
     cells = _run_peers(tmp_path / "a", "mooncake,shared_prefix,agentic,chat", "light,pd")
-    cells.update(_run_peers(tmp_path / "b", "mooncake", "pressure,tiered"))
+    cells.update(_run_peers(tmp_path / "b", "mooncake", "pressure,tiered", "--hops"))
     expected = {(t, g, r) for t in traces for g in ("light", "pd") for r in ("kvaware", "round_robin")}
     expected |= {("mooncake", g, r) for g in ("pressure", "tiered") for r in ("kvaware", "round_robin")}
     assert set(cells) == expected
@@ -212,3 +213,12 @@ def test_peers_bench_runs_every_cell_with_kvroute_routers(tmp_path: Path) -> Non
         work = tmp_path / ("a" if regime in ("light", "pd") else "b")
         assert (work / f"peers-{regime}.png").stat().st_size > 10_000
     assert "| mooncake | kvaware |" in (tmp_path / "a" / "peers.md").read_text()
+    # --hops: every answered request was found in the workers' hop log, its TTFT split in three.
+    for (_, regime, _), cell in cells.items():
+        med = cell["median"]
+        if regime in ("pressure", "tiered"):
+            assert med["hop_matched"] == med["answered"]
+            assert med["hop_forward_ms"] > 0 and med["hop_engine_ms"] > 0 and med["hop_return_ms"] > 0
+        else:
+            assert "hop_matched" not in med
+    assert "| mooncake | kvaware | " in (tmp_path / "b" / "peers.md").read_text().split("client → engine")[1]
