@@ -277,6 +277,14 @@ class RouterConfig(_Strict):
     refusal_cooldown_s: float = Field(
         default=1.0, ge=0, description="How long a worker that refused a request (admission control) counts as full"
     )
+    early_head_ttft_s: float = Field(
+        default=0.1,
+        ge=0,
+        description="A stream whose plan expects its first token within this many seconds gets its response head "
+        "as soon as the worker's arrives, so the client reads it while the engine computes (a worker failing "
+        "before the first token then ends the stream with an error event instead of a retry elsewhere); longer "
+        "predictions and policies without one hold the head until the first token (0 = always)",
+    )
     unhealthy_after: int = Field(default=2, ge=1, description="Failed probes before a worker is marked down")
     healthy_after: int = Field(default=1, ge=1, description="Good probes before a down worker is marked up")
     http_client: Literal["auto", "native", "aiohttp", "httpx"] = Field(

@@ -15,9 +15,10 @@ recomputation on the decode worker, and an engine that misses a peer lookup reco
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,6 +113,7 @@ class RequestFlow:
         debug_headers: bool = False,
         max_attempts: int = 3,
         refusal_cooldown_s: float = 1.0,
+        early_head_ttft_s: float = 0.0,
     ) -> None:
         self.registry = registry
         #: Replaceable at run time (tests swap in a fixed plan); read once per decision.
@@ -126,6 +128,7 @@ class RequestFlow:
         self.allow_debug = debug_headers
         self.max_attempts = max_attempts
         self.refusal_cooldown_s = refusal_cooldown_s
+        self.early_head_ttft_s = early_head_ttft_s
 
     # ------------------------------------------------------------------ serve: the whole flow
 
@@ -269,8 +272,13 @@ class RequestFlow:
             body,
             request.started,
             stream=request.stream,
+            early_head=self._early_head(decision),
         )
-        self.facts.settled(decision.facts)
+        settle: Callable[[], None] | None = None
+        if opened.awaits_first_bytes:  # the routed prefix counts until the engine has computed it
+            settle = functools.partial(self.facts.settled, decision.facts)
+        else:
+            self.facts.settled(decision.facts)
         if opened.upstream.status in REFUSAL_STATUSES and opened.rest is None:
             # Refused before any work (vLLM's admission control answers 503 "retry on another instance").
             self.registry.release(worker_id)
@@ -284,8 +292,21 @@ class RequestFlow:
         ):
             await self._remember(decision, worker_id, opened.first)
         return self.forwarder.respond(
-            opened, request.request_id, lambda result: self.report(decision, result), self._debug_headers(decision)
+            opened,
+            request.request_id,
+            lambda result: self.report(decision, result),
+            self._debug_headers(decision),
+            settle,
         )
+
+    def _early_head(self, decision: Decision) -> bool:
+        """Whether a stream's head goes to the client before its first token: when the plan expects that token
+        within ``early_head_ttft_s``. The head held back buys a retry elsewhere if the worker fails before its
+        first token; over a window of a few milliseconds that retry is almost never used, while the client
+        reading the head together with the first token adds its head parsing (0.3-0.5 ms for a Python client)
+        to every time to first token. A long prefill keeps the retry."""
+        predicted = decision.plan.predicted_ttft_s
+        return decision.request.stream and predicted is not None and predicted < self.early_head_ttft_s
 
     async def _after_prefill(self, decision: Decision, legs: Legs, prefill: Leg) -> Leg:
         """Run the prefill leg; the decode leg follows from its answer, or local recomputation when it failed."""

@@ -2,10 +2,14 @@
 
 The forwarder waits until the worker's status and first body bytes are in before anything is sent to
 the client: up to that point a failure (connection refused, the worker hung up) can still be retried on
-another worker. Non-SSE answers are read whole (they are small and it makes usage easy to read); SSE
-answers are streamed chunk by chunk, and a cheap sniffer picks ``usage`` out of the data lines without
-touching the bytes. Closing the upstream response early aborts the worker's request, which is how a
-client disconnect cancels generation.
+another worker. A stream opened with ``early_head`` is the exception: its head goes out as soon as the
+worker's arrives, so the client reads it while the engine computes the first token (a Python client
+such as the OpenAI SDK spends 0.3-0.5 ms on a response head; read with the first token, that time was
+on every TTFT), and a failure before the first token ends the stream with an error event. Non-SSE
+answers are read whole (they are small and it makes usage easy to read); SSE answers are streamed chunk
+by chunk, and a cheap sniffer picks ``usage`` out of the data lines without touching the bytes. Closing
+the upstream response early aborts the worker's request, which is how a client disconnect cancels
+generation.
 """
 
 from __future__ import annotations
@@ -186,7 +190,8 @@ def usage_of(body: bytes) -> dict[str, Any] | None:
 
 @dataclass(slots=True)
 class Opened:
-    """A worker's answer whose status and first bytes are in; nothing has been sent to the client yet."""
+    """A worker's answer whose status and first bytes are in (only its head, for an ``early_head`` stream:
+    ``first`` is empty then); nothing has been sent to the client yet."""
 
     worker_id: str
     upstream: UpstreamResponse
@@ -194,6 +199,13 @@ class Opened:
     #: The rest of an SSE body; None when ``first`` is the whole body.
     rest: AsyncGenerator[bytes, None] | None
     ttfb_s: float
+    #: ``time.perf_counter()`` when the request arrived (a stream times its first body bytes from it).
+    started: float = 0.0
+
+    @property
+    def awaits_first_bytes(self) -> bool:
+        """An ``early_head`` stream whose first body bytes are still to come."""
+        return self.rest is not None and not self.first
 
 
 class Forwarder:
@@ -234,12 +246,13 @@ class Forwarder:
         started: float,
         *,
         stream: bool = False,
+        early_head: bool = False,
     ) -> Opened:
         """Send and wait for the first bytes; UpstreamError only happens before any byte left for us.
 
         The wait ends early (kind ``stalled``, retryable) when the worker goes down meanwhile, and for a
         stream after ``first_byte_timeout_s``; a non-streamed answer comes whole, so only its read timeout
-        bounds it."""
+        bounds it. ``early_head``: an SSE answer returns with its head alone (see the module docstring)."""
         state = self.registry.get(worker_id)
         if state is None:
             raise UpstreamError("connect", f"worker {worker_id} was removed")
@@ -250,7 +263,7 @@ class Forwarder:
         try:
             try:
                 async with waiting:
-                    upstream, first, rest = await self._first_bytes(state.url + path, method, headers, body)
+                    upstream, first, rest = await self._first_bytes(state.url + path, method, headers, body, early_head)
             except TimeoutError:
                 self.registry.probe_soon(worker_id)
                 raise UpstreamError("stalled", f"worker {worker_id} sent no first byte in time") from None
@@ -265,10 +278,10 @@ class Forwarder:
             raise
         finally:
             waiters.discard(waiting)
-        return Opened(worker_id, upstream, first, rest, time.perf_counter() - started)
+        return Opened(worker_id, upstream, first, rest, time.perf_counter() - started, started)
 
     async def _first_bytes(
-        self, url: str, method: str, headers: list[tuple[str, str]], body: bytes
+        self, url: str, method: str, headers: list[tuple[str, str]], body: bytes, early_head: bool = False
     ) -> tuple[UpstreamResponse, bytes, AsyncGenerator[bytes, None] | None]:
         upstream = await self.transport.request(method, url, headers, body)
         try:
@@ -278,6 +291,8 @@ class Forwarder:
                 # after its headers (killed at that instant) is still retried elsewhere.
                 chunks = upstream.chunks()
                 first = b""
+                if early_head:
+                    return upstream, first, chunks
                 async for chunk in chunks:  # skip empty reads; an exhausted body stays b""
                     if chunk:
                         first = chunk
@@ -291,9 +306,15 @@ class Forwarder:
             raise
 
     def respond(
-        self, opened: Opened, request_id: str, done: Done, extra_headers: list[tuple[bytes, bytes]] | None = None
+        self,
+        opened: Opened,
+        request_id: str,
+        done: Done,
+        extra_headers: list[tuple[bytes, bytes]] | None = None,
+        first_bytes: Callable[[], None] | None = None,
     ) -> Response:
-        """The client's response; ``done`` runs once, when the last byte went out (or the client left)."""
+        """The client's response; ``done`` runs once, when the last byte went out (or the client left).
+        ``first_bytes`` runs once when an ``early_head`` stream's first body bytes came (or it ended without)."""
         worker = self.registry.get(opened.worker_id)
         headers = response_headers(opened.upstream.headers, request_id, worker.url if worker else None)
         if extra_headers:
@@ -308,11 +329,15 @@ class Forwarder:
                 done(result)
 
             return RawResponse(opened.first, status, headers, report)
-        result = Result(opened.worker_id, status, opened.ttfb_s, ok=False)
+        waiting = opened.awaits_first_bytes
+        result = Result(opened.worker_id, status, None if waiting else opened.ttfb_s, ok=False)
         # The report comes after the stream's last chunk went out, so the client's answer ends first.
-        return RawStreamingResponse(self._stream(opened, result), status, headers, lambda: done(result))
+        content = self._stream(opened, result, first_bytes if waiting else None)
+        return RawStreamingResponse(content, status, headers, lambda: done(result))
 
-    async def _stream(self, opened: Opened, result: Result) -> AsyncIterator[bytes]:
+    async def _stream(
+        self, opened: Opened, result: Result, first_bytes: Callable[[], None] | None = None
+    ) -> AsyncIterator[bytes]:
         """The worker's stream to the client; ``result`` says how it went once it ended."""
         rest = opened.rest
         assert rest is not None
@@ -322,6 +347,12 @@ class Forwarder:
                 sniffer.feed(opened.first)
                 yield opened.first
             async for chunk in rest:
+                if result.ttfb_s is None and chunk:  # an early head's first body bytes: the first token
+                    result.ttfb_s = time.perf_counter() - opened.started
+                    if first_bytes is not None:
+                        settle: Callable[[], None] = first_bytes
+                        first_bytes = None  # once: not again when the stream ends
+                        settle()
                 sniffer.feed(chunk)
                 yield chunk
             result.ok = opened.upstream.status < 400
@@ -343,3 +374,5 @@ class Forwarder:
                 await opened.upstream.aclose()
             self.registry.release(opened.worker_id)
             result.usage = sniffer.usage
+            if first_bytes is not None:  # ended (or failed) before its first bytes
+                first_bytes()

@@ -223,6 +223,7 @@ def build_state(
         debug_headers=c.debug_headers,
         max_attempts=c.retry_attempts,
         refusal_cooldown_s=c.refusal_cooldown_s,
+        early_head_ttft_s=c.early_head_ttft_s,
     )
     services: list[Service] = [registry]
     # Workers given by URL only (or discovered) are asked where they publish KV events.
