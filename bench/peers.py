@@ -31,6 +31,10 @@ prefix whose first token came before it was sent; a request that queues can beat
 100 %; the JSON's ``bound_share`` is against every prefix sent before, a bound for any router), the
 busiest worker's share of the prompt tokens, errors. Per cell: the median over seeds and the spread
 (min-max); ratios against the best peer of that cell, per metric.
+``--hops``: each request's time to first token is also split where it is spent, in real ms: client to
+engine (the router's way in, its decision included), engine, engine to client (the router's way back),
+from the simulated workers' hop log (``kvroute.sim.hop_log``) and the client's own clock; it is how a
+router's share of TTFT is compared with a peer that keeps no clock of its own.
 Output under ``--work``: ``peers.json`` (every run and every cell), ``peers.md``, ``peers-<regime>.png``.
 """
 

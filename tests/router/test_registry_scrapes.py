@@ -4,6 +4,8 @@ cache until it steps; the running count is read against the requests the router 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from kvroute.config import WorkerConfig
 from kvroute.indexer.events import BlockStored
 from kvroute.indexer.memory import MemoryIndex
@@ -46,16 +48,21 @@ def test_counters_went_back() -> None:
     )
 
 
-async def test_a_restarted_engines_entries_are_doubted_until_its_next_events() -> None:
-    counters = {"queries": 100.0, "device": 64.0}
+def engine_app(page: Callable[[], str]) -> Starlette:
+    """An engine's ``/health`` and its ``/metrics`` page as ``page()`` returns it at each scrape."""
 
     async def metrics(request: Request) -> Response:
-        return PlainTextResponse(page(counters["queries"], counters["device"]))
+        return PlainTextResponse(page())
 
     async def health(request: Request) -> Response:
         return Response(status_code=200)
 
-    app = Starlette(routes=[Route("/metrics", metrics), Route("/health", health)])
+    return Starlette(routes=[Route("/metrics", metrics), Route("/health", health)])
+
+
+async def test_a_restarted_engines_entries_are_doubted_until_its_next_events() -> None:
+    counters = {"queries": 100.0, "device": 64.0}
+    app = engine_app(lambda: page(counters["queries"], counters["device"]))
     transport = HttpxTransport(1, 1)
     async with serve(app) as url:
         registry = WorkerRegistry([WorkerConfig(url=url, id="w", models=["m"])], transport, RouterMetrics())
@@ -90,16 +97,9 @@ async def test_a_scrape_is_read_against_the_requests_in_flight_when_it_was_taken
     """Four requests in flight when the engine reported four running: none foreign, and still none once
     three of them finished (the page not scraped again yet); the next scrape shows one of another client."""
     running = {"n": 4.0}
-
-    async def metrics(request: Request) -> Response:
-        return PlainTextResponse(
-            f'# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{{engine="0"}} {running["n"]}\n'
-        )
-
-    async def health(request: Request) -> Response:
-        return Response(status_code=200)
-
-    app = Starlette(routes=[Route("/metrics", metrics), Route("/health", health)])
+    app = engine_app(
+        lambda: f'# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{{engine="0"}} {running["n"]}\n'
+    )
     transport = HttpxTransport(1, 1)
     async with serve(app) as url:
         registry = WorkerRegistry([WorkerConfig(url=url, id="w", models=["m"])], transport, RouterMetrics())
