@@ -17,6 +17,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
+import paired  # noqa: E402
 import workloads  # noqa: E402
 
 
@@ -222,3 +223,22 @@ def test_peers_bench_runs_every_cell_with_kvroute_routers(tmp_path: Path) -> Non
         else:
             assert "hop_matched" not in med
     assert "| mooncake | kvaware | " in (tmp_path / "b" / "peers.md").read_text().split("client → engine")[1]
+    # bench/paired.py pairs the two routers' requests in every run folder.
+    rows = paired.paired(tmp_path / "a", "kvaware", "round_robin")
+    assert sorted(r["run"] for r in rows) == sorted(f"{t}-{g}-0" for t in traces for g in ("light", "pd"))
+    for r in rows:
+        key = (r["run"].rsplit("-", 2)[0], r["run"].rsplit("-", 2)[1], "kvaware")
+        assert r["requests"] == cells[key]["median"]["answered"]
+
+
+def test_paired_requests_separate_the_routers_own_time_from_the_cache() -> None:
+    def req(ttft_s: float, cached: int) -> dict[str, Any]:
+        return {"ttft_s": ttft_s, "cached_tokens": cached}
+
+    a = {("s", 0): req(0.010, 100), ("s", 1): req(0.012, 100), ("t", 0): req(0.040, 0), ("u", 0): req(0.5, 0)}
+    b = {("s", 0): req(0.009, 100), ("s", 1): req(0.011, 100), ("t", 0): req(0.020, 100)}
+    got = paired.pair(a, b, 1000.0)
+    assert got["requests"] == 3 and got["same_cache"] == 2  # ("u", 0) only in a; ("t", 0) from other caches
+    assert got["same_cache_median_ms"] == pytest.approx(1.0)
+    assert got["median_ms"] == pytest.approx(1.0)
+    assert (got["later"], got["earlier"]) == (1, 0) and got["later_sum_ms"] == pytest.approx(20.0)
