@@ -335,6 +335,27 @@ class Forwarder:
         content = self._stream(opened, result, first_bytes if waiting else None)
         return RawStreamingResponse(content, status, headers, lambda: done(result))
 
+    async def _first_chunk(self, opened: Opened) -> bytes:
+        """A stream's first body bytes (b"" when it ended without any) under :meth:`open`'s bounds: at most
+        ``first_byte_timeout_s``, and cut short when the worker goes down. An early head has already gone to
+        the client, so a stalled worker's stream ends with an error event rather than a retry."""
+        rest = opened.rest
+        assert rest is not None
+        waiting = asyncio.timeout(self.first_byte_timeout_s)
+        waiters = self._waiting.setdefault(opened.worker_id, set())
+        waiters.add(waiting)
+        try:
+            async with waiting:
+                async for chunk in rest:  # leaving the loop keeps the generator open for the rest
+                    if chunk:
+                        return chunk
+                return b""
+        except TimeoutError:
+            self.registry.probe_soon(opened.worker_id)
+            raise UpstreamError("stalled", f"worker {opened.worker_id} sent no first token in time") from None
+        finally:
+            waiters.discard(waiting)
+
     async def _stream(
         self, opened: Opened, result: Result, first_bytes: Callable[[], None] | None = None
     ) -> AsyncIterator[bytes]:
@@ -346,13 +367,15 @@ class Forwarder:
             if opened.first:
                 sniffer.feed(opened.first)
                 yield opened.first
+            elif first := await self._first_chunk(opened):  # an early head: its first token is still to come
+                result.ttfb_s = time.perf_counter() - opened.started
+                if first_bytes is not None:
+                    settle: Callable[[], None] = first_bytes
+                    first_bytes = None  # once: not again when the stream ends
+                    settle()
+                sniffer.feed(first)
+                yield first
             async for chunk in rest:
-                if result.ttfb_s is None and chunk:  # an early head's first body bytes: the first token
-                    result.ttfb_s = time.perf_counter() - opened.started
-                    if first_bytes is not None:
-                        settle: Callable[[], None] = first_bytes
-                        first_bytes = None  # once: not again when the stream ends
-                        settle()
                 sniffer.feed(chunk)
                 yield chunk
             result.ok = opened.upstream.status < 400

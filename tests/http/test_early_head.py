@@ -140,3 +140,43 @@ async def test_only_a_held_head_is_retried_elsewhere_when_its_worker_dies_before
         assert b'"error"' in r.content and b"[DONE]" not in r.content
     else:
         assert b'"worker":"good"' in r.content and b"[DONE]" in r.content and b'"error"' not in r.content
+
+
+@contextlib.asynccontextmanager
+async def stalls_after_its_head() -> AsyncIterator[str]:
+    """A worker that answers a stream's head and then nothing, its connection open (a stuck engine)."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(Exception):
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+            await writer.drain()
+            await asyncio.sleep(30)
+        writer.close()
+
+    async with raw_server(handle) as url:
+        yield url
+
+
+async def test_an_early_head_whose_worker_stalls_ends_with_an_error_event_after_the_first_byte_timeout(
+    client: httpx.AsyncClient,
+) -> None:
+    async with (
+        stalls_after_its_head() as worker,
+        run_router(
+            [{"url": worker, "models": ["m1"]}],
+            impl=Predicting(0.01),
+            early_head_ttft_s=0.1,
+            first_byte_timeout_s=0.3,
+            health_interval_s=60,
+        ) as (url, app),
+    ):
+        wid = worker.removeprefix("http://")
+        app.state.kvroute.registry.get(wid).healthy = True
+        r = await client.post(url + "/v1/completions", json=STREAM)
+        errors = app.state.kvroute.metrics.registry.get_sample_value(
+            "kvroute_upstream_errors_total", {"worker": wid, "kind": "stalled"}
+        )
+    assert r.status_code == 200
+    assert b'"error"' in r.content and b"stalled" in r.content and b"[DONE]" not in r.content
+    assert errors == 1
