@@ -13,7 +13,8 @@ Behaviour a proxy needs and that is kept:
   uvicorn's 5 s keep-alive (vLLM's server), so a pooled connection is seldom closed under us; when it is
   (no byte of the answer came back on a reused connection), the request goes once more on a new one;
 * a response body is read as it arrives and reading pauses past ``high_water`` buffered bytes (a slow
-  client never makes the router hold a whole stream);
+  client never makes the router hold a whole stream); what arrived together is handed on as one piece
+  (a burst of SSE events costs one write to the client, not one each);
 * closing a response before its end closes the connection: that is what aborts the worker's generation;
 * failures map to :class:`~kvroute.router.transport.UpstreamError` like the other transports
   (``connect``, ``timeout``, ``protocol``), header values are never sent with CR or LF in them, and at most
@@ -146,8 +147,16 @@ class _Connection(asyncio.Protocol):
                 timer.cancel()
 
     def take(self) -> bytes:
-        chunk = self.chunks.popleft()
-        self.buffered -= len(chunk)
+        """Everything the parser has queued, as one piece: chunks that arrived together leave together (one
+        write to the client, one turn of the relay instead of one per chunk)."""
+        chunks = self.chunks
+        if len(chunks) == 1:
+            chunk = chunks.popleft()
+            self.buffered -= len(chunk)
+        else:
+            chunk = b"".join(chunks)
+            chunks.clear()
+            self.buffered = 0
         if self.paused and self.buffered <= self.high_water // 4 and self.transport is not None:
             self.paused = False
             self.transport.resume_reading()

@@ -163,6 +163,14 @@ async def test_framings(transport: NativeTransport) -> None:
         assert await resp.read() == b"until the end"
 
 
+async def test_chunks_that_arrive_together_are_read_as_one_piece(transport: NativeTransport) -> None:
+    """Events a worker wrote in a burst reach the client in one write, not one write and one loop turn each."""
+    burst = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n6\r\n world\r\n1\r\n!\r\n0\r\n\r\n"
+    async with answering(burst) as url:
+        resp = await transport.request("GET", url + "/", [], b"")
+        assert [piece async for piece in resp.chunks()] == [b"hello world!"]
+
+
 async def test_a_truncated_body_is_a_protocol_error(transport: NativeTransport) -> None:
     async with answering(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nonly this") as url:
         resp = await transport.request("GET", url + "/", [], b"")
