@@ -181,6 +181,9 @@ class RouteOutcome:
     cached_tokens: int | None
     ttft_s: float | None
     ok: bool = True
+    #: A split plan's prefill leg: seconds from the request's arrival to the prefiller's answer (None when
+    #: the plan had no separate prefill leg). The rest of ``ttft_s`` is the handoff and the decoder's work.
+    prefill_leg_s: float | None = None
 
 
 @dataclass(slots=True, frozen=True)

@@ -2,7 +2,7 @@
 
 The configured parameters (prefill speed, service time) are only a starting point: real speed depends on
 the GPU, batch mix and context length, and the index's view of caches lags the engines. Every
-:class:`~kvroute.policies.base.RouteOutcome` feeds three estimates:
+:class:`~kvroute.policies.base.RouteOutcome` feeds these estimates:
 
 * a per-model **prefill scale**: observed prefill time ÷ predicted prefill time (EWMA of the log ratio,
   so one outlier cannot swing it far), which corrects the tokens/s rate and attention term together;
@@ -14,6 +14,10 @@ the GPU, batch mix and context length, and the index's view of caches lags the e
   sent sessions away from their history for queues that were not there;
 * a per-worker **service time**: the recent time one request keeps a worker busy before the next queued
   one starts, used for the queue-wait term (``load x service time``);
+* a per-model **handoff extra**: what split plans' first tokens took after the prefiller answered (the
+  router times that leg) beyond the plans' handoff and decoder-queue terms; the configured handoff counts
+  the KV transfer, not the decoder's step before its first token. Split plans' prefill speed and service
+  time are read from the prefill leg, so a slow decoder is not taken for a slow prefill;
 * a **hit ratio**: the multiplier that makes the per-tier ``still_there`` priors match what the engines
   report: each outcome's share of its predicted hit that was there, divided by the probability the plan
   weighed that hit by before this ratio. The priors alone are constants: on a fleet whose engines
@@ -105,6 +109,8 @@ class Calibrator:
         #: Totals at the last source update: served per source, predicted per tier.
         self._served_seen: dict[str, float] | None = None
         self._predicted_seen: dict[str, int] = {}
+        #: Per model: seconds a prefill -> decode handoff takes beyond what the plans predicted for it.
+        self._handoff_extra: dict[str, float] = {}
 
     @classmethod
     def from_options(cls, options: Mapping[str, object]) -> Calibrator:
@@ -142,6 +148,12 @@ class Calibrator:
             return None
         intercept = max(0.0, min(my - slope * mx, 0.9 * my, self.max_overhead_s))
         return intercept, (my - intercept) / mx if mx > 0 else slope
+
+    def handoff_extra_s(self, model: str) -> float:
+        """Seconds to add to a prefill -> decode handoff of ``model``: what split answers took beyond the
+        plans' handoff and decoder-queue terms (the decoder's own step before the first token, a slower
+        link than configured...). 0.0 until a split plan was observed."""
+        return self._handoff_extra.get(model, 0.0)
 
     def service_time(self, worker_id: str) -> float:
         """Seconds one outstanding request keeps ``worker_id`` busy, for the queue-wait term."""
@@ -214,7 +226,23 @@ class Calibrator:
                     self._learn_hit_ratio(min(1.0, reported / predicted), predicted, plan.breakdown)
         if not outcome.ok or outcome.ttft_s is None:
             return
+        self._learn_handoff(outcome)
         self._learn_speed(outcome, reported if reported is not None else predicted)
+
+    def _learn_handoff(self, outcome: RouteOutcome) -> None:
+        """A split plan's first token came ``ttft_s - prefill_leg_s`` after the prefiller answered; the plan
+        had predicted its handoff and decoder-queue terms for that (the learnt extra included). The extra
+        moves by ``alpha`` of the difference, within [-handoff predicted, ``max_overhead_s``]."""
+        leg, ttft = outcome.prefill_leg_s, outcome.ttft_s
+        if leg is None or ttft is None or outcome.plan.prefill == outcome.plan.decode:
+            return
+        bd = outcome.plan.breakdown
+        handoff = bd.get("handoff_s", 0.0)
+        predicted = handoff + bd.get("decode_queue_s", 0.0)
+        prev = self._handoff_extra.get(outcome.model, 0.0)
+        error = (ttft - leg) - predicted
+        base = handoff - prev  # the plan's handoff without the extra it was given
+        self._handoff_extra[outcome.model] = max(-base, min(self.max_overhead_s, prev + self.alpha * error))
 
     def _learn_hit_ratio(self, there: float, predicted: int, breakdown: Mapping[str, float]) -> None:
         """``there``: the share of the ``predicted`` hit the engine had. The plan weighed that hit by
@@ -233,6 +261,11 @@ class Calibrator:
         assert ttft is not None
         queue = bd.get("queue_s", 0.0)
         other = sum(map(bd.get, _NON_PREFILL_TERMS, _NO_TERMS))  # bd.get(term, 0.0) for each, summed in order
+        if outcome.prefill_leg_s is not None and outcome.plan.prefill != outcome.plan.decode:
+            # The prefiller answered at the end of its prefill: its busy time and the prefill speed are read
+            # from that leg, not from a first token that also waited for the handoff and the decoder.
+            ttft = outcome.prefill_leg_s
+            other -= bd.get("handoff_s", 0.0) + bd.get("decode_queue_s", 0.0)
         # Time the request itself kept the prefill worker busy (its queue wait and the fixed overhead
         # excluded).
         busy = max(ttft - queue - self.overhead_s(outcome.model), 1e-4)

@@ -138,6 +138,8 @@ class Context:
     best_local: float = 0.0
     #: Whether a plan may name a ``remote_kv_source`` peer (P2P pool, tier policy allows it).
     allow_sources: bool = False
+    #: Seconds a prefill -> decode handoff takes beyond the configured figures (learnt from split answers).
+    handoff_extra: float = 0.0
 
 
 class Scorer(Protocol):

@@ -223,6 +223,7 @@ class KvAwarePolicy(Policy):
             locals=locals_,
             best_local=max((lw.expected for lw in locals_.values()), default=0.0),
             allow_sources=p2p and self.tiers.allows_source(cls),
+            handoff_extra=self.calibrator.handoff_extra_s(request.model),
         )
 
     def _cached_terms(
@@ -303,7 +304,7 @@ class KvAwarePolicy(Policy):
         handoff = decode_queue = 0.0
         moved = exp_remote * bpt
         if d.id != p.id:
-            handoff = prm.handoff_s + self._transfer_s(ctx, ctx.prompt, p.id, d.id)
+            handoff = max(0.0, prm.handoff_s + self._transfer_s(ctx, ctx.prompt, p.id, d.id) + ctx.handoff_extra)
             # The decoder takes the request once the KV has arrived, in its next step; prefills it runs
             # itself (short uncached tails, conditional disaggregation) hold its steps meanwhile: what of
             # its own queue outlasts this plan's prefill side is waited for too.

@@ -260,8 +260,9 @@ class RequestFlow:
         delivery = self.rewrite(decision)
         worker_id, body = delivery.worker_id, delivery.body
         legs = delivery.legs
+        prefill_leg_s: float | None = None
         if legs is not None and legs.prefill is not None:
-            final = await self._after_prefill(decision, legs, legs.prefill)
+            final, prefill_leg_s = await self._after_prefill(decision, legs, legs.prefill)
             worker_id, body = final.worker_id, orjson.dumps(final.body)
         request.tried.add(worker_id)
         opened = await self.forwarder.open(
@@ -294,7 +295,7 @@ class RequestFlow:
         return self.forwarder.respond(
             opened,
             request.request_id,
-            lambda result: self.report(decision, result),
+            lambda result: self.report(decision, result, prefill_leg_s),
             self._debug_headers(decision),
             settle,
         )
@@ -308,14 +309,16 @@ class RequestFlow:
         predicted = decision.plan.predicted_ttft_s
         return decision.request.stream and predicted is not None and predicted < self.early_head_ttft_s
 
-    async def _after_prefill(self, decision: Decision, legs: Legs, prefill: Leg) -> Leg:
-        """Run the prefill leg; the decode leg follows from its answer, or local recomputation when it failed."""
+    async def _after_prefill(self, decision: Decision, legs: Legs, prefill: Leg) -> tuple[Leg, float | None]:
+        """Run the prefill leg; the decode leg follows from its answer, or local recomputation when it failed.
+        Also when the prefiller answered, in seconds after the request arrived (None after a fallback)."""
         try:
             answer = await self._prefill(decision, prefill)
+            answered = time.perf_counter() - decision.request.started
             final = legs.decode_leg(answer)
             if decision.facts.conversation is not None and decision.plan.reuse_conversation:
                 self.kv_metrics.conversations.labels("reused").inc()
-            return final
+            return final, answered
         except (UpstreamError, KVParamsError, PrefillFailed) as exc:
             self.kv_metrics.fallbacks.labels("prefill_leg").inc()
             limited.warning(
@@ -326,7 +329,7 @@ class RequestFlow:
                 exc,
                 decision.plan.decode,
             )
-            return legs.fallback_leg()
+            return legs.fallback_leg(), None
 
     def _headers_for(self, decision: Decision, worker_id: str) -> list[tuple[str, str]]:
         """The request's headers, plus the data-parallel rank that holds the prefix on this worker."""
@@ -378,9 +381,9 @@ class RequestFlow:
 
     # ------------------------------------------------------------------ report
 
-    def report(self, decision: Decision, result: Result) -> None:
+    def report(self, decision: Decision, result: Result, prefill_leg_s: float | None = None) -> None:
         """Called once per answered request, when its last byte went out."""
-        self.outcomes.record(decision.request, decision.facts, decision.plan, result, self.policy)
+        self.outcomes.record(decision.request, decision.facts, decision.plan, result, self.policy, prefill_leg_s)
 
     def _debug_headers(self, decision: Decision) -> list[tuple[bytes, bytes]] | None:
         if not (self.allow_debug and decision.request.wants_debug):

@@ -52,7 +52,17 @@ class Outcomes:
     def decided(self, seconds: float) -> None:
         self._decision.observe(seconds)
 
-    def record(self, request: ParsedRequest, facts: Facts, plan: RoutePlan, result: Result, policy: Policy) -> None:
+    def record(
+        self,
+        request: ParsedRequest,
+        facts: Facts,
+        plan: RoutePlan,
+        result: Result,
+        policy: Policy,
+        prefill_leg_s: float | None = None,
+    ) -> None:
+        """Metrics, the receipt and the policy's feedback for one answered request (``prefill_leg_s``: its
+        prefill leg's answer, seconds after arrival, when the plan was split)."""
         prompt_tokens, cached, _ = usage_counts(request.route, result.usage)
         model = request.model or ""
         m = self.metrics
@@ -71,6 +81,7 @@ class Outcomes:
             # Only a stream's first chunk is a time to first token; a whole JSON answer includes decoding.
             ttft_s=result.ttfb_s if request.stream else None,
             ok=result.ok,
+            prefill_leg_s=prefill_leg_s,
         )
         if self.receipts is not None:
             self.receipts.add(
@@ -83,6 +94,7 @@ class Outcomes:
                 stream=request.stream,
                 status=result.status,
                 ok=result.ok,
+                prefill_leg_s=prefill_leg_s,
             )
         try:
             policy.observe(outcome)

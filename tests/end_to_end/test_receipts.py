@@ -6,11 +6,12 @@ from pathlib import Path
 
 import httpx
 import orjson
+import pytest
 from kvroute.apps.build import build_app
 from kvroute.config import RouterConfig
 from kvroute.sim.fleet import SimFleet
 
-from tests.end_to_end.conftest import FAST, eventually, words
+from tests.end_to_end.conftest import FAST, eventually, routed_fleet, words
 from tests.end_to_end.test_end_to_end import indexed_blocks
 from tests.http.upstream import serve
 
@@ -54,3 +55,28 @@ async def test_receipts_hold_plan_prediction_runner_up_and_observation(tmp_path:
     assert last["alternatives"][0] == last["runner_up"] and last["runner_up"]["rank_s"] >= last["predicted"]["ttft_s"]
     lines = [orjson.loads(line) for line in path.read_bytes().splitlines()]  # flushed at shutdown
     assert [line["request_id"] for line in lines] == [r["request_id"] for r in receipts]
+
+
+async def test_a_split_plan_reports_its_prefill_leg_and_the_handoff_is_learnt_from_it(tmp_path: Path) -> None:
+    """The router times the prefiller's answer itself: the rest of the first token's wait is the handoff and
+    the decoder's step, which the cost model learns instead of blaming the prefill speed for it."""
+    async with routed_fleet(
+        2,
+        roles=["prefill", "decode"],
+        pool={"kv_protocol": "nixl"},
+        policy_options={"pd_local_prefill": False},
+        receipts=10,
+    ) as (fleet, url, app):
+        policy = app.state.kvroute.flow.policy
+        async with httpx.AsyncClient(timeout=30) as client:
+            body = {"model": fleet.model, "prompt": words(900, "split"), "max_tokens": 2, "stream": True}
+            answer = await client.post(f"{url}/v1/completions", json=body)
+            assert answer.status_code == 200 and answer.text.rstrip().endswith("data: [DONE]")
+            receipt = (await client.get(f"{url}/admin/receipts")).json()["receipts"][-1]
+    assert receipt["kind"] == "P/D" and receipt["prefill"] != receipt["decode"]
+    observed, terms = receipt["observed"], receipt["predicted"]["terms"]
+    assert 0 < observed["prefill_leg_s"] < observed["ttft_s"]
+    error = (observed["ttft_s"] - observed["prefill_leg_s"]) - (terms["handoff_s"] + terms["decode_queue_s"])
+    learnt = policy.calibrator.handoff_extra_s(fleet.model)
+    assert learnt == pytest.approx(max(-terms["handoff_s"], min(0.5, 0.2 * error)))
+    assert learnt != 0.0

@@ -94,7 +94,7 @@ async def test_a_failing_report_after_the_answer_costs_the_client_nothing(two_wo
     w1, _ = two_workers
     reports: list[object] = []
 
-    def failing_report(decision: object, result: object) -> None:  # a bug in the bookkeeping
+    def failing_report(decision: object, result: object, prefill_leg_s: float | None = None) -> None:  # a bug
         reports.append(result)
         raise RuntimeError("report failed")
 

@@ -441,6 +441,66 @@ def test_a_split_answer_does_not_vouch_for_the_prefillers_hit() -> None:
     assert policy.calibrator.hit_ratio == 1.0
 
 
+def test_split_answers_teach_the_handoff_its_real_length() -> None:
+    """The decoder answered 30 ms later than the plan's handoff term said (its own step before the first
+    token, say), every time: the learnt extra closes the gap; aggregated answers leave it alone."""
+    ws = workers(1, role="prefill", prefix="p") + workers(1, role="decode", prefix="d")
+    policy = kvaware(kv_protocol="nixl", pd_local_prefill=False)
+    first = policy.choose(request(16000), ws)
+    assert (first.prefill, first.decode) == ("p0", "d0")
+    configured = first.breakdown["handoff_s"]
+    for i in range(40):
+        plan = policy.choose(request(16000, request_id=f"r{i}"), ws)
+        leg = plan.breakdown["queue_s"] + plan.breakdown["prefill_s"]
+        policy.observe(
+            RouteOutcome(
+                f"r{i}",
+                "m",
+                plan,
+                prompt_tokens=16000,
+                cached_tokens=0,
+                ttft_s=leg + configured + 0.03,
+                prefill_leg_s=leg,
+            )
+        )
+    learnt = policy.choose(request(16000, request_id="after"), ws).breakdown["handoff_s"]
+    assert learnt == pytest.approx(configured + 0.03, rel=0.02)
+    extra = policy.calibrator.handoff_extra_s("m")
+    together = kvaware(kv_protocol="nixl", pd_local_prefill=False)
+    together.calibrator = policy.calibrator
+    for i in range(10):  # answers of the whole plan on one worker: no handoff to learn from
+        plan = together.choose(request(300, request_id=f"a{i}"), workers(1))
+        together.observe(RouteOutcome(f"a{i}", "m", plan, prompt_tokens=300, cached_tokens=0, ttft_s=0.5))
+    assert policy.calibrator.handoff_extra_s("m") == extra
+
+
+def test_a_fast_handoff_cannot_learn_a_negative_one() -> None:
+    ws = workers(1, role="prefill", prefix="p") + workers(1, role="decode", prefix="d")
+    policy = kvaware(kv_protocol="nixl", pd_local_prefill=False)
+    for i in range(60):
+        plan = policy.choose(request(16000, request_id=f"r{i}"), ws)
+        policy.observe(
+            RouteOutcome(f"r{i}", "m", plan, prompt_tokens=16000, cached_tokens=0, ttft_s=1.0, prefill_leg_s=1.0)
+        )
+    assert policy.choose(request(16000, request_id="after"), ws).breakdown["handoff_s"] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_the_prefill_speed_of_a_split_plan_is_read_from_its_prefill_leg() -> None:
+    """A slow decoder must not make the prefill look slow: the prefiller answered when predicted."""
+    ws = workers(1, role="prefill", prefix="p") + workers(1, role="decode", prefix="d")
+    policy = kvaware(kv_protocol="nixl", pd_local_prefill=False)
+    before = policy.choose(request(16000), ws).breakdown["prefill_s"]
+    for i in range(40):
+        plan = policy.choose(request(16000, request_id=f"r{i}"), ws)
+        leg = plan.breakdown["queue_s"] + plan.breakdown["prefill_s"]
+        policy.observe(
+            RouteOutcome(f"r{i}", "m", plan, prompt_tokens=16000, cached_tokens=0, ttft_s=leg + 0.5, prefill_leg_s=leg)
+        )
+    assert policy.choose(request(16000, request_id="after"), ws).breakdown["prefill_s"] == pytest.approx(
+        before, rel=0.05
+    )
+
+
 def test_calibration_can_be_turned_off() -> None:
     policy = kvaware(calibrate=False)
     plan = policy.choose(request(10000), workers(1))
