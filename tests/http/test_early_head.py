@@ -21,18 +21,20 @@ EVENT = b'data: {"choices":[{"index":0,"text":"hi"}]}\n\n'
 
 
 class Predicting(Policy):
-    """The workers in turn (sorted by id), every plan predicting the same time to first token."""
+    """The workers in turn (sorted by id; ``first`` first when given), every plan predicting the same time
+    to first token."""
 
     name = "predicting"
 
-    def __init__(self, ttft_s: float | None) -> None:
+    def __init__(self, ttft_s: float | None, first: str | None = None) -> None:
         super().__init__()
         self.ttft_s = ttft_s
+        self.first = first
         self.sent = 0
 
     def choose(self, request: RouteRequest, workers: Sequence[WorkerView]) -> RoutePlan:
         ids = sorted(w.id for w in workers)
-        worker = ids[self.sent % len(ids)]
+        worker = self.first if self.sent == 0 and self.first in ids else ids[self.sent % len(ids)]
         self.sent += 1
         return RoutePlan(prefill=worker, decode=worker, predicted_ttft_s=self.ttft_s, policy=self.name, reason="t")
 
@@ -127,13 +129,10 @@ async def test_only_a_held_head_is_retried_elsewhere_when_its_worker_dies_before
     good = FakeWorker("good")
     async with dies_after_headers_server() as bad, serve_worker(good):
         workers = [{"url": bad, "models": ["m1"]}, good.url]
-        async with run_router(workers, impl=Predicting(predicted_s), early_head_ttft_s=0.1, health_interval_s=60) as (
-            url,
-            app,
-        ):
-            app.state.kvroute.registry.get(bad.removeprefix("http://")).healthy = True
-            ids = sorted(w.id for w in app.state.kvroute.registry.all())
-            assert ids[0] == bad.removeprefix("http://")  # the first plan goes to the dying worker
+        dying = bad.removeprefix("http://")
+        policy = Predicting(predicted_s, first=dying)  # the first plan goes to the dying worker
+        async with run_router(workers, impl=policy, early_head_ttft_s=0.1, health_interval_s=60) as (url, app):
+            app.state.kvroute.registry.get(dying).healthy = True
             r = await client.post(url + "/v1/completions", json=STREAM)
     assert r.status_code == 200
     if predicted_s < 0.1:
