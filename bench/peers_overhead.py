@@ -477,7 +477,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--concurrency", type=int, nargs="*", default=[1, 32], help="clients of the small cases (none: skip them)"
     )
-    ap.add_argument("--prefix-tokens", type=int, nargs="+", help="growing cases' prefixes (default 8192 32768)")
+    ap.add_argument(
+        "--prefix-tokens", type=int, nargs="*", help="growing cases' prefixes (default 8192 32768; none: skip them)"
+    )
     ap.add_argument(
         "--cached-tokens", type=int, nargs="*", help="cached cases' prompt sizes (default 1024; none: skip them)"
     )
@@ -509,7 +511,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.routers = router_names(args.routers, DEFAULT_ROUTERS)
     args.repeats = args.repeats or (1 if args.quick else 3)
     args.requests = args.requests or (100 if args.quick else 3000)
-    args.prefix_tokens = args.prefix_tokens or ([1024, 4096] if args.quick else [8192, 32768])
+    if args.prefix_tokens is None:
+        args.prefix_tokens = [1024, 4096] if args.quick else [8192, 32768]
     args.cached_tokens = [1024] if args.cached_tokens is None else args.cached_tokens
     args.fresh_tokens = ([1024] if args.quick else [4096]) if args.fresh_tokens is None else args.fresh_tokens
     args.steps = args.steps or (3 if args.quick else 30)
@@ -517,7 +520,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.step_tokens = min(args.step_tokens, 64)
     known = [s.name for s in scenarios(args)]
     if args.profile is not None:
-        args.profile = args.profile or [[n for n in known if n.startswith("grow")][-1]]
+        args.profile = args.profile or [[n for n in known if n.startswith("grow")][-1:] or known[-1:]][0]
         for name in args.profile:
             if name not in known:
                 raise SystemExit(f"unknown scenario {name!r} to profile; known: {', '.join(known)}")

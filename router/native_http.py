@@ -184,21 +184,30 @@ class _NativeResponse(UpstreamResponse):
         self.status = conn.status
         self.headers = conn.headers
 
-    async def chunks(self) -> AsyncGenerator[bytes, None]:
+    async def _next(self) -> bytes | None:
+        """The body's next piece (all that is queued, at least one byte); None once it ended."""
         conn = self._conn
         while not self._done:
             if conn.chunks:
-                yield conn.take()
-            elif conn.error is not None:
+                return conn.take()
+            if conn.error is not None:
                 self._finish(reuse=False)
                 raise conn.error
-            elif conn.complete:
+            if conn.complete:
                 self._finish(reuse=conn.keep_alive and not conn.until_eof)
             else:
                 await conn.wait(self._timeout)
+        return None
+
+    async def chunks(self) -> AsyncGenerator[bytes, None]:
+        while (piece := await self._next()) is not None:
+            yield piece
 
     async def read(self) -> bytes:
-        parts = [chunk async for chunk in self.chunks()]
+        # Not through chunks(): an async generator per answer registers with the loop's hooks (a weak set).
+        parts = []
+        while (piece := await self._next()) is not None:
+            parts.append(piece)
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def _finish(self, reuse: bool) -> None:

@@ -9,7 +9,8 @@ beyond ``max_connections`` at once, before they cost anything. Slow bodies are b
 
 It also tells the app of a client that hangs up: each request's scope carries a list under
 :data:`~kvroute.router.http_body.DISCONNECT_CALLBACKS`, called when the connection is lost before the
-response is complete, so the app cancels the upstream request without a watcher task per request.
+response is complete, so the app cancels the upstream request without a watcher task per request; and
+:data:`~kvroute.router.http_body.BODY_COMPLETE` once the whole body is in, so reading it needs no deadline.
 
 And a response's head leaves with its first body bytes, in one write: uvicorn writes the status line and
 headers as soon as the app starts the response, then each body chunk, so every small answer cost two
@@ -25,7 +26,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, cast
 
-from kvroute.router.http_body import DISCONNECT_CALLBACKS
+from kvroute.router.http_body import BODY_COMPLETE, DISCONNECT_CALLBACKS
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 log = logging.getLogger("kvroute.http")
@@ -122,6 +123,12 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         cycle = self.cycle
         if cycle is not None and cycle.scope is self.scope:  # the cycle just made (not an upgrade's return)
             cycle.transport = cast(asyncio.Transport, HeadWithBody(self.transport, cycle, self.loop))
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        cycle = self.cycle
+        if cycle is not None and cycle.scope is self.scope and not cycle.more_body:
+            cast(dict[str, Any], self.scope)[BODY_COMPLETE] = True
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()

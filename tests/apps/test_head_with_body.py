@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from kvroute.apps.http_protocol import guarded_protocol
+from kvroute.router.http_body import BODY_COMPLETE
 
 from tests.http.upstream import serve
 
@@ -22,10 +23,19 @@ BODY = b'{"ok":true}'
 
 async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     """``/now``: head and body in the same step; ``/later``: the body 0.5 s after the head; ``/stream``:
-    chunks; ``/read``: echoes the request body (read after the head, as with ``Expect: 100-continue``)."""
+    chunks; ``/read``: echoes the request body (read after the head, as with ``Expect: 100-continue``);
+    ``/complete``: whether the scope said the body was in when the app started, then once it was read."""
     if scope["type"] != "http":
         return
     path = scope["path"]
+    if path == "/complete":
+        at_start = scope.get(BODY_COMPLETE, False)
+        while (await receive()).get("more_body"):
+            pass
+        body = b"%d%d" % (at_start, scope.get(BODY_COMPLETE, False))
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": body})
+        return
     if path == "/read":
         message = await receive()
         body = message.get("body", b"")
@@ -150,6 +160,21 @@ async def test_continue_goes_out_before_the_body_is_sent(server: Server) -> None
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
         assert head.startswith(b"HTTP/1.1 200 OK\r\n")
         assert await asyncio.wait_for(reader.readexactly(5), 5) == b"hello"
+
+
+async def test_the_scope_says_when_the_whole_body_is_in(server: Server) -> None:
+    """What lets the app read a body that arrived with its head without a deadline, and keep one for a body
+    still on its way."""
+    async with connected(server) as (reader, writer):
+        writer.write(b"POST /complete HTTP/1.1\r\nHost: t\r\nContent-Length: 5\r\n\r\nhello")
+        await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert await asyncio.wait_for(reader.readexactly(2), 5) == b"11"  # in at the start
+        writer.write(b"POST /complete HTTP/1.1\r\nHost: t\r\nContent-Length: 10\r\n\r\nhello")
+        await writer.drain()
+        await asyncio.sleep(0.2)  # the app started and waits for the rest
+        writer.write(b"world")
+        await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert await asyncio.wait_for(reader.readexactly(2), 5) == b"01"  # on its way, then in
 
 
 async def test_connection_close_sends_the_held_head_first(server: Server) -> None:
