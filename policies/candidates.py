@@ -22,7 +22,8 @@ from kvroute.indexer.backend import WorkerMatch
 from kvroute.policies.base import CandidatePlan, ModelFigures, RouteRequest, WorkerView
 from kvroute.policies.cost_params import CostParams
 
-#: The order of ``Option.terms``; the first seven add up to the predicted TTFT.
+#: The order of ``Option.terms``; the first seven add up to the predicted TTFT. ``handoffs_held_s`` is part of
+#: the rank only: the first-token wait a decoder's own prefill adds to the handoffs due there meanwhile.
 TERM_NAMES = (
     "queue_s",
     "lookup_s",
@@ -35,6 +36,7 @@ TERM_NAMES = (
     "expected_cached_tokens",
     "tokens_REMOTE",
     "bytes_moved",
+    "handoffs_held_s",
 )
 
 
@@ -92,6 +94,8 @@ class WorkerTerms:
     #: Requests sent to this worker lately, as ``QueueModel.traffic_order``: the tie-break between equally
     #: ranked plans.
     traffic: float = -math.inf
+    #: A decode worker's split plans still in their prefill leg: seconds until each one's KV arrives.
+    handoffs_due: tuple[float, ...] = ()
 
 
 @dataclass(slots=True)
@@ -277,7 +281,7 @@ def materialise(o: Option) -> CandidatePlan:
     """The shown form of a candidate: its breakdown by name, and a note on what kind of plan it is."""
     bd = dict(zip(TERM_NAMES, o.terms, strict=True))
     bd["total_s"] = o.score
-    bd["affinity_penalty_s"] = o.rank - o.score
+    bd["affinity_penalty_s"] = o.rank - o.score - bd["handoffs_held_s"]
     bd["reuse_conversation"] = 1.0 if o.reuse else 0.0
     bd["kv_space_wait_s"] = o.p.kv_wait_s  # included in queue_s
     if not bd["tokens_REMOTE"]:

@@ -138,6 +138,8 @@ class KvAwarePolicy(Policy):
         service = bd["total_s"] - bd["queue_s"] - bd["handoff_s"] - bd["decode_queue_s"]
         blocks = QueueModel.blocks_needed(request, int(bd.get("tokens_GPU", 0)))
         self.queue.sent(plan.prefill, request.request_id, service, blocks)
+        if plan.decode != plan.prefill:  # its KV reaches the decoder once the prefill side is done
+            self.queue.handing_off(plan.decode, request.request_id, bd["total_s"] - bd["decode_queue_s"])
         return plan
 
     def _check_sources(self, workers: Sequence[WorkerView]) -> None:
@@ -192,6 +194,7 @@ class KvAwarePolicy(Policy):
         p_remote = self.queue.still_there_on(None, "REMOTE", odds["REMOTE"])
         waits = self.queue.waits
         traffic = self.queue.traffic_order
+        handoffs_due = self.queue.handoffs_due
         locals_: dict[str, WorkerTerms] = {}
         for w in healthy:
             match = request.matches.get(w.id)
@@ -214,6 +217,8 @@ class KvAwarePolicy(Policy):
                     request, w, match, cap, odds, p_remote, usable_blocks(match, allow_storage, allow_remote), dry_run
                 )
                 terms.traffic = traffic(w.id)
+            if w.role == "decode":
+                locals_[w.id].handoffs_due = handoffs_due(w.id)
         return Context(
             request=request,
             model=model,
@@ -312,6 +317,14 @@ class KvAwarePolicy(Policy):
             busy = ctx.locals[d.id].queue_s - ready_in  # every candidate decoder is a healthy worker
             decode_queue = max(d.load * prm.decode_queue_s_per_request, busy)
             moved += ctx.prompt * bpt
+        held = 0.0
+        if lp.handoffs_due:  # a decoder prefilling itself: handoffs due before it ends wait for the end
+            starts = lp.queue_s  # those due earlier queue behind this request too (vLLM admits FIFO)
+            ends = starts + lookup + transfer + lp.promotion_s + prefill
+            waits = [ends - max(due, starts) for due in lp.handoffs_due if due < ends]
+            if waits:
+                held = sum(waits)
+                note = f"{note}; holds {len(waits)} handoff(s) {held * 1000:.1f} ms in all"
         terms = (
             lp.queue_s,
             lookup,
@@ -324,6 +337,7 @@ class KvAwarePolicy(Policy):
             cached_exp,
             float(remote),
             moved,
+            held,
         )
         score = sum(terms[:7])
         # Cached tokens this plan leaves behind on the worker holding the most: their recompute is
@@ -332,6 +346,7 @@ class KvAwarePolicy(Policy):
         rank = score + left_behind * per_token * prm.affinity_weight
         if stalls:  # every decode stream running there waits out this prefill (inter-token latency)
             rank += prefill * prm.decode_stall_weight * max(p.load, 1)
+        rank += held
         return Option(
             score=score,
             rank=rank,

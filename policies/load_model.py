@@ -3,8 +3,10 @@
 :class:`QueueModel` keeps, per worker, the requests this policy sent there and has not heard back about
 (send time, predicted service seconds, KV blocks held), and learns how long a request holds its blocks.
 From that and the worker's load signals it answers two terms of the TTFT estimate: the work ahead (a FIFO
-replay) and the wait for free KV blocks. It also weighs a predicted hit by the chance it is still there,
-which falls as the worker's KV cache fills. The cost terms themselves live in :mod:`kvroute.policies.cost`.
+replay) and the wait for free KV blocks. It keeps, per decode worker, the split plans handed to it whose
+KV has not arrived yet (a prefill that decoder runs itself holds their first tokens). It also weighs a
+predicted hit by the chance it is still there, which falls as the worker's KV cache fills. The cost terms
+themselves live in :mod:`kvroute.policies.cost`.
 
 Kept apart from the cost terms because it is the policy's only per-worker learnt state: ``choose`` feeds it
 (:meth:`QueueModel.sent`), outcomes drain it (:meth:`QueueModel.finished`), and ``explain`` reads it
@@ -47,6 +49,7 @@ class QueueModel:
         "_calibrator",
         "_decode_step_s",
         "_default_hold_s",
+        "_handoffs",
         "_hold_s",
         "_kv_pressure_decay",
         "_max_pending",
@@ -72,6 +75,9 @@ class QueueModel:
         #: Per worker: the requests this policy sent there, oldest first, until their outcome is observed:
         #: a virtual FIFO queue for the queue term, and the blocks they hold for the KV-space term.
         self._pending: dict[str, OrderedDict[str, Pending]] = {}
+        #: Per decode worker: split plans handed to it, request id -> when their KV should arrive (the plan's
+        #: prediction), until their outcome is observed (see :meth:`handoffs_due`).
+        self._handoffs: dict[str, OrderedDict[str, float]] = {}
         #: Per worker: its pending requests replayed (see :meth:`_replay`), until they change.
         self._replays: dict[str, Replay] = {}
         #: Per worker: EWMA of how long a request holds its KV blocks (sent -> outcome observed).
@@ -92,8 +98,32 @@ class QueueModel:
             pending.popitem(last=False)
         self._replays.pop(worker_id, None)
 
+    def handing_off(self, decoder: str, request_id: str, arrives_in_s: float) -> None:
+        """``choose`` split a request: its KV reaches ``decoder`` in about ``arrives_in_s``."""
+        due = self._handoffs.setdefault(decoder, OrderedDict())
+        due[request_id] = self._calibrator.now() + arrives_in_s
+        while len(due) > self._max_pending:
+            due.popitem(last=False)
+
+    def handoffs_due(self, decoder: str) -> tuple[float, ...]:
+        """Seconds from now until each handoff to ``decoder`` still on its way arrives (its prefill leg is
+        running): the decoder takes its decode leg then, and a prefill of its own running at that moment
+        holds that request's first token until it ends. Handoffs past their predicted arrival are at the
+        decoder (its load counts them) or late; either way not counted here."""
+        due = self._handoffs.get(decoder)
+        if not due:
+            return ()
+        now = self._calibrator.now()
+        return tuple(at - now for at in due.values() if at > now)
+
     def finished(self, outcome: RouteOutcome) -> None:
-        """The request's outcome came back: it leaves the replay, and its hold time is learnt."""
+        """The request's outcome came back: it leaves the replay (and the handoffs due at its decoder), and
+        its hold time is learnt."""
+        plan = outcome.plan
+        if plan.decode != plan.prefill:
+            due = self._handoffs.get(plan.decode)
+            if due is not None:
+                due.pop(outcome.request_id, None)
         pending = self._pending.get(outcome.plan.prefill)
         entry = pending.pop(outcome.request_id, None) if pending is not None else None
         if entry is not None:

@@ -26,8 +26,9 @@ _TERMS = ("queue_s", "lookup_s", "transfer_s", "promotion_s", "prefill_s", "hand
 #: Candidates kept after the chosen plan (the runner-up first): enough to show the best plan on each
 #: other worker of a small pool; each costs a little on the request path when receipts are written.
 ALTERNATIVES = 4
-#: Parts of the ranking beside the sum: the KV-space share of ``queue_s`` and the affinity penalty.
-_PARTS = ("kv_space_wait_s", "affinity_penalty_s")
+#: Parts of the ranking beside the sum: the KV-space share of ``queue_s``, the affinity penalty, and what a
+#: decoder's own prefill makes the handoffs due there wait.
+_PARTS = ("kv_space_wait_s", "affinity_penalty_s", "handoffs_held_s")
 
 
 def receipt_of(

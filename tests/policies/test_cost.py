@@ -233,6 +233,37 @@ def test_pd_handoff_waits_for_a_decoder_busy_with_its_own_prefill() -> None:
     assert on_d0.breakdown["decode_queue_s"] > 100 * 2 * 0.001
 
 
+def test_a_decoder_prefilling_itself_holds_the_handoffs_due_there() -> None:
+    """A split plan's KV reaches its decoder when its prefill leg ends; a long prefill that decoder runs
+    itself meanwhile holds that request's first token until it ends. The hold counts against the local
+    plan: the next prompt goes to the other decoder holding nearly as much of it, and back once the
+    handoff is no longer due (its outcome came, or its time passed)."""
+    clock = [0.0]
+    ws = workers(1, role="prefill", prefix="p") + workers(2, role="decode", prefix="d")
+    policy = kvaware(kv_protocol="nixl", now=lambda: clock[0], calibrate=False)
+    split = policy.choose(request(2000, request_id="split"), ws)
+    assert split.prefill == "p0" and split.decode in ("d0", "d1")
+    due_in = split.breakdown["total_s"] - split.breakdown["decode_queue_s"]
+    holder, other = split.decode, ("d1" if split.decode == "d0" else "d0")
+    prompt = request(16000, gpu(holder, 700), gpu(other, 690), request_id="long")  # 4,800 / 4,960 uncached
+    plan = policy.explain(prompt, ws)
+    assert (plan.prefill, plan.decode) == (other, other)
+    on_holder = next(c for c in plan.candidates if c.prefill == holder)
+    ends = on_holder.breakdown["queue_s"] + on_holder.breakdown["prefill_s"]
+    assert on_holder.breakdown["handoffs_held_s"] == pytest.approx(ends - due_in)
+    assert on_holder.score >= on_holder.breakdown["total_s"] + on_holder.breakdown["handoffs_held_s"]
+    assert "holds 1 handoff(s)" in on_holder.note
+    outcome = RouteOutcome("split", "m", split, prompt_tokens=2000, cached_tokens=0, ttft_s=0.3)
+    policy.observe(outcome)
+    assert policy.explain(prompt, ws).prefill == holder  # its outcome came: nothing held any more
+    second = policy.choose(request(2000, request_id="split2"), ws)
+    elsewhere = "d1" if second.decode == "d0" else "d0"
+    later = request(16000, gpu(second.decode, 700), gpu(elsewhere, 690), request_id="later")
+    assert policy.explain(later, ws).prefill == elsewhere
+    clock[0] += 10.0  # past its predicted arrival: at the decoder (its load counts it) or late
+    assert policy.explain(later, ws).prefill == second.decode
+
+
 def test_pd_pool_prefill_workers_serve_whole_requests_only_when_allowed() -> None:
     ws = workers(1, role="prefill", prefix="p") + workers(1, role="decode", prefix="d", running=8)
     held = request(16000, gpu("p0", 990))  # the prefill worker holds the prompt; the decoder is busy
