@@ -187,9 +187,12 @@ class OpenAIHandlers(GenerationHandlers):
                 else:
                     choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": None, "stop_reason": None}
                 sent += produced
+                # Stamped before the write: the generator resumes only when the server asks for the next
+                # chunk, which may be after the client has read this one.
+                written = time.monotonic()
                 yield _sse({**head, "choices": [choice]})
                 if hop is not None and (hops := hop_log()) is not None:  # the first token is on the wire
-                    hops.write(hop[0], hop[1], time.monotonic())
+                    hops.write(hop[0], hop[1], written)
                     hop = None
             end: dict[str, object] = {"logprobs": None, "finish_reason": "length", "stop_reason": None}
             last = {"index": 0, "delta": {}, **end} if chat else {"index": 0, "text": "", **end}
