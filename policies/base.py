@@ -85,6 +85,8 @@ class RouteRequest:
     #: Tokens of the prompt the conversation store can offer from a previous turn's decoder.
     conversation_reusable_tokens: int = 0
     conversation_worker: str | None = None
+    #: The prompt's block keys (chained: key i names blocks 0..i), when the index was consulted.
+    block_keys: Sequence[int] | None = None
     #: Length of the prompt that is shared with other requests (system prompt, tools), when known.
     shared_prefix_tokens: int | None = None
     max_tokens: int | None = None

@@ -140,6 +140,9 @@ class Context:
     locals: dict[str, WorkerTerms]
     #: The most expected cached tokens any worker holds locally (what leaving the holder gives up).
     best_local: float = 0.0
+    #: The share of the affinity penalty this request's prefix carries: 1 for a prefix nobody else used
+    #: lately (a session's own history), 1 / (1 + n) for one n other recent requests ended on.
+    affinity_share: float = 1.0
     #: Whether a plan may name a ``remote_kv_source`` peer (P2P pool, tier policy allows it).
     allow_sources: bool = False
     #: Seconds a prefill -> decode handoff takes beyond the configured figures (learnt from split answers).

@@ -12,7 +12,9 @@ a FIFO queue of their predicted service times (work it cannot replay counts by c
 engine-reported running requests only in part: they are mostly decoding). Plans are ranked by that TTFT
 plus a bounded penalty for the cached tokens they leave behind on the worker holding the most, so a
 session moves only for a clear gain, while a worker holding a popular prefix still stops winning once
-its queue grows (the queue is unbounded, the penalty is not).
+its queue grows (the queue is unbounded, the penalty is not). The penalty is shared among the recent
+requests whose cached prefix ended on the same block: a session's history pays it whole, a prefix many
+requests use gets a second holder sooner.
 
 Tiers along a cached run are assumed ordered GPU, then CPU, then STORAGE, as eviction takes a
 sequence's tail first; tiers the request may not read (tier policy) cut the usable run there.
@@ -219,6 +221,7 @@ class KvAwarePolicy(Policy):
                 terms.traffic = traffic(w.id)
             if w.role == "decode":
                 locals_[w.id].handoffs_due = handoffs_due(w.id)
+        holder = max(locals_.values(), key=lambda lw: lw.expected, default=None)
         return Context(
             request=request,
             model=model,
@@ -226,10 +229,27 @@ class KvAwarePolicy(Policy):
             cap=cap,
             scale=self.calibrator.prefill_scale(request.model),
             locals=locals_,
-            best_local=max((lw.expected for lw in locals_.values()), default=0.0),
+            best_local=holder.expected if holder is not None else 0.0,
+            affinity_share=self._affinity_share(request, holder, dry_run),
             allow_sources=p2p and self.tiers.allows_source(cls),
             handoff_extra=self.calibrator.handoff_extra_s(request.model),
         )
+
+    def _affinity_share(self, request: RouteRequest, holder: WorkerTerms | None, dry_run: bool) -> float:
+        """How much of the affinity penalty leaving ``holder`` carries. A second copy of a session's own
+        history is waste; a second holder of a prefix many requests use lately (a group's system prompt)
+        takes part of their load and their queue. So the recompute left behind is shared among the recent
+        requests whose longest cached prefix ended on the same block (``traffic_window_s`` decay); this
+        request counts itself once it is routed (not for ``dry_run``)."""
+        keys = request.block_keys
+        match = request.matches.get(holder.worker.id) if holder is not None and holder.expected > 0 else None
+        if not keys or match is None or match.blocks <= 0:
+            return 1.0
+        key = keys[min(match.blocks, len(keys)) - 1]
+        share = 1.0 / (1.0 + self.queue.prefix_users(key))
+        if not dry_run:
+            self.queue.used_prefix(key)
+        return share
 
     def _cached_terms(
         self,
@@ -343,7 +363,7 @@ class KvAwarePolicy(Policy):
         # Cached tokens this plan leaves behind on the worker holding the most: their recompute is
         # certain, the queue it avoids is an estimate from lagging load signals.
         left_behind = max(0.0, ctx.best_local - cached_exp)
-        rank = score + left_behind * per_token * prm.affinity_weight
+        rank = score + left_behind * per_token * prm.affinity_weight * ctx.affinity_share
         if stalls:  # every decode stream running there waits out this prefill (inter-token latency)
             rank += prefill * prm.decode_stall_weight * max(p.load, 1)
         rank += held

@@ -42,6 +42,10 @@ def replayed(entries: Iterable[Pending]) -> Replay:
     return count, free_at, blocks
 
 
+#: Block keys whose recent users :class:`QueueModel` counts (least recently used first out).
+MAX_PREFIX_KEYS = 8192
+
+
 class QueueModel:
     """Work ahead and KV-space wait per worker; see the module docstring."""
 
@@ -55,6 +59,7 @@ class QueueModel:
         "_max_pending",
         "_parallelism",
         "_pending",
+        "_prefix_users",
         "_replays",
         "_still_there",
         "_traffic",
@@ -85,6 +90,9 @@ class QueueModel:
         #: Per worker: log of the decayed count of the requests sent there, as of time 0 (``log(count) + at /
         #: traffic_window_s``): comparing workers needs no clock and no decay each time a decision reads it.
         self._traffic: dict[str, float] = {}
+        #: Per block key: the decayed count of the requests whose deepest cached block on their best holder
+        #: it was (same log form as ``_traffic``), most recent last, bounded (see :meth:`prefix_users`).
+        self._prefix_users: OrderedDict[int, float] = OrderedDict()
 
     # -- what choose and observe tell it ---------------------------------------------------------------
 
@@ -134,6 +142,25 @@ class QueueModel:
             old = self._hold_s.get(outcome.plan.prefill)
             alpha = cal.alpha
             self._hold_s[outcome.plan.prefill] = held if old is None else (1 - alpha) * old + alpha * held
+
+    def prefix_users(self, key: int) -> float:
+        """Requests lately (each counts ``exp(-age / traffic_window_s)``) whose longest cached prefix ended
+        at block ``key`` on its best holder: a session's own history has one at a time, a popular shared
+        prefix (a group's system prompt) many. Read by the affinity penalty (``CostParams.affinity_weight``)."""
+        order = self._prefix_users.get(key)
+        if order is None:
+            return 0.0
+        return math.exp(order - self._calibrator.now() / self._traffic_window_s)
+
+    def used_prefix(self, key: int) -> None:
+        """A request was routed whose longest cached prefix ended at block ``key``."""
+        now = self._calibrator.now()
+        users = self._prefix_users
+        order = math.log(self.prefix_users(key) + 1.0) + now / self._traffic_window_s
+        users.pop(key, None)
+        users[key] = order
+        while len(users) > MAX_PREFIX_KEYS:
+            users.popitem(last=False)
 
     def traffic(self, worker_id: str, now: float) -> float:
         """Requests sent to ``worker_id`` lately: each counts ``exp(-age / traffic_window_s)``."""

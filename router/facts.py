@@ -156,6 +156,7 @@ class FactGatherer:
         if result.block_size:
             route.block_size = result.block_size
         route.matches, facts.ranks = fold_ranks(result.matches, self._data_parallel)
+        route.block_keys = result.keys
         if self.routed is not None and result.keys:
             self._add_routed(route, result.keys)
         return result.keys

@@ -652,6 +652,30 @@ def test_a_session_moves_only_for_a_clear_gain() -> None:
     assert plan.prefill == "w1" and "load overrides affinity" in plan.why()
 
 
+def test_the_recompute_left_behind_is_shared_among_the_requests_that_used_the_prefix_lately() -> None:
+    """A session's own history sticks behind a queue that a prefix many requests ended on lately (a group's
+    system prompt) does not: a second holder takes part of their load. Explaining counts nobody."""
+    ws = workers(2)
+    ws[0] = dataclasses.replace(ws[0], inflight=4)  # as above: the queue is worth less than the recompute
+    keys = list(range(1, 251))  # 4000 tokens in 16-token blocks; w0 holds the first 200
+    alone = kvaware(calibrate=False)
+    plan = alone.choose(request(4000, gpu("w0", 200), block_keys=keys), ws)
+    assert plan.prefill == "w0"
+    assert alone.queue.prefix_users(keys[199]) == pytest.approx(1.0, rel=1e-3)  # this request, once routed
+
+    shared = kvaware(calibrate=False)
+    for _ in range(8):
+        shared.queue.used_prefix(keys[199])
+    explained = shared.explain(request(4000, gpu("w0", 200), block_keys=keys), ws)
+    assert shared.queue.prefix_users(keys[199]) == pytest.approx(8.0, rel=1e-3)
+    leaving = next(c for c in explained.candidates if c.prefill == "w1")
+    staying_alone = next(
+        c for c in alone.explain(request(4000, gpu("w0", 200), block_keys=keys), ws).candidates if c.prefill == "w1"
+    )
+    assert leaving.breakdown["affinity_penalty_s"] < staying_alone.breakdown["affinity_penalty_s"] / 4
+    assert shared.choose(request(4000, gpu("w0", 200), block_keys=keys), ws).prefill == "w1"
+
+
 def test_one_outlier_moves_the_prefill_scale_a_bounded_step() -> None:
     policy = kvaware()
     plan = policy.choose(request(10000), workers(1))
