@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Iterable
+from typing import Generic, TypeVar
 
 from kvroute.policies.base import RouteOutcome, RouteRequest, WorkerView
 from kvroute.policies.calibration import Calibrator
@@ -45,6 +46,38 @@ def replayed(entries: Iterable[Pending]) -> Replay:
 #: Block keys whose recent users :class:`QueueModel` counts (least recently used first out).
 MAX_PREFIX_KEYS = 8192
 
+K = TypeVar("K")
+
+
+class DecayedCounts(Generic[K]):
+    """Events per key lately, each counting ``exp(-age / window_s)``. Kept as ``log(count) + at /
+    window_s``: comparing keys (:meth:`order`) needs no clock and no decay each time it is read. With
+    ``max_keys``, the least recently counted keys are forgotten past it."""
+
+    __slots__ = ("_orders", "max_keys", "window_s")
+
+    def __init__(self, window_s: float, max_keys: int | None = None) -> None:
+        self.window_s = window_s
+        self.max_keys = max_keys
+        self._orders: OrderedDict[K, float] = OrderedDict()
+
+    def count(self, key: K, now: float) -> float:
+        order = self._orders.get(key)
+        return 0.0 if order is None else math.exp(order - now / self.window_s)
+
+    def add(self, key: K, now: float) -> None:
+        orders = self._orders
+        order = math.log(self.count(key, now) + 1.0) + now / self.window_s
+        orders.pop(key, None)
+        orders[key] = order
+        if self.max_keys is not None:
+            while len(orders) > self.max_keys:
+                orders.popitem(last=False)
+
+    def order(self, key: K) -> float:
+        """A value that orders keys as :meth:`count` does at any one time (its log plus a constant)."""
+        return self._orders.get(key, -math.inf)
+
 
 class QueueModel:
     """Work ahead and KV-space wait per worker; see the module docstring."""
@@ -63,7 +96,6 @@ class QueueModel:
         "_replays",
         "_still_there",
         "_traffic",
-        "_traffic_window_s",
         "_unknown_running_weight",
     )
 
@@ -76,7 +108,6 @@ class QueueModel:
         self._default_hold_s = params.default_hold_s
         self._still_there = params.still_there
         self._kv_pressure_decay = params.kv_pressure_decay
-        self._traffic_window_s = params.traffic_window_s
         #: Per worker: the requests this policy sent there, oldest first, until their outcome is observed:
         #: a virtual FIFO queue for the queue term, and the blocks they hold for the KV-space term.
         self._pending: dict[str, OrderedDict[str, Pending]] = {}
@@ -87,19 +118,18 @@ class QueueModel:
         self._replays: dict[str, Replay] = {}
         #: Per worker: EWMA of how long a request holds its KV blocks (sent -> outcome observed).
         self._hold_s: dict[str, float] = {}
-        #: Per worker: log of the decayed count of the requests sent there, as of time 0 (``log(count) + at /
-        #: traffic_window_s``): comparing workers needs no clock and no decay each time a decision reads it.
-        self._traffic: dict[str, float] = {}
-        #: Per block key: the decayed count of the requests whose deepest cached block on their best holder
-        #: it was (same log form as ``_traffic``), most recent last, bounded (see :meth:`prefix_users`).
-        self._prefix_users: OrderedDict[int, float] = OrderedDict()
+        #: Per worker: the requests sent there lately (``traffic_window_s``).
+        self._traffic: DecayedCounts[str] = DecayedCounts(params.traffic_window_s)
+        #: Per block key: the requests whose deepest cached block on their best holder it was (see
+        #: :meth:`prefix_users`).
+        self._prefix_users: DecayedCounts[int] = DecayedCounts(params.traffic_window_s, MAX_PREFIX_KEYS)
 
     # -- what choose and observe tell it ---------------------------------------------------------------
 
     def sent(self, worker_id: str, request_id: str, service_s: float, blocks: int) -> None:
         """``choose`` sent a request to ``worker_id``: it joins that worker's replay."""
         now = self._calibrator.now()
-        self._traffic[worker_id] = math.log(self.traffic(worker_id, now) + 1.0) + now / self._traffic_window_s
+        self._traffic.add(worker_id, now)
         pending = self._pending.setdefault(worker_id, OrderedDict())
         pending[request_id] = (now, service_s, blocks)
         while len(pending) > self._max_pending:
@@ -147,30 +177,20 @@ class QueueModel:
         """Requests lately (each counts ``exp(-age / traffic_window_s)``) whose longest cached prefix ended
         at block ``key`` on its best holder: a session's own history has one at a time, a popular shared
         prefix (a group's system prompt) many. Read by the affinity penalty (``CostParams.affinity_weight``)."""
-        order = self._prefix_users.get(key)
-        if order is None:
-            return 0.0
-        return math.exp(order - self._calibrator.now() / self._traffic_window_s)
+        return self._prefix_users.count(key, self._calibrator.now())
 
     def used_prefix(self, key: int) -> None:
         """A request was routed whose longest cached prefix ended at block ``key``."""
-        now = self._calibrator.now()
-        users = self._prefix_users
-        order = math.log(self.prefix_users(key) + 1.0) + now / self._traffic_window_s
-        users.pop(key, None)
-        users[key] = order
-        while len(users) > MAX_PREFIX_KEYS:
-            users.popitem(last=False)
+        self._prefix_users.add(key, self._calibrator.now())
 
     def traffic(self, worker_id: str, now: float) -> float:
         """Requests sent to ``worker_id`` lately: each counts ``exp(-age / traffic_window_s)``."""
-        order = self._traffic.get(worker_id)
-        return 0.0 if order is None else math.exp(order - now / self._traffic_window_s)
+        return self._traffic.count(worker_id, now)
 
     def traffic_order(self, worker_id: str) -> float:
         """A value that orders workers as :meth:`traffic` does at any one time (its log plus a constant):
         the tie-break between equally ranked plans (see ``CostParams.traffic_window_s``)."""
-        return self._traffic.get(worker_id, -math.inf)
+        return self._traffic.order(worker_id)
 
     # -- the terms -------------------------------------------------------------------------------------
 
