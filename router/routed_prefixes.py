@@ -11,7 +11,12 @@ bytes come back (or it fails); from then on the index alone says what is there, 
 note whose request never answers expires after ``ttl_s``.
 
 Memory is bounded: a note keeps one key every ``stride`` blocks (block keys chain, so a key stands for the
-whole prefix before it) and at most ``max_notes`` notes live at once.
+whole prefix before it) and at most ``max_notes`` notes live at once. Checkpoints alone would round a shared
+prefix down to a multiple of ``stride`` blocks: a group's 752-token system prompt counted as 512 tokens
+routed, so a request queued behind the one computing it was predicted 240 tokens of prefill (26 ms) it
+never ran, and its holder looked that much slower than it was. So a note also refers to its request's
+whole key list (the list the lookup made, not a copy) while the keys so referred stay under
+``max_chain_keys``, and the routed prefix is followed block by block past its last checkpoint.
 
 Noting costs a few dict operations and one slice of the key list (its checkpoint keys); a note is only
 counted into the per-worker key sets when a lookup (:meth:`RoutedPrefixes.held`) could see it. Most notes
@@ -44,6 +49,9 @@ class _Note:
     keys: tuple[int, ...]
     #: Index in ``keys`` of the first checkpoint the worker is computing (``len(keys)``: none).
     computing_from: int
+    #: The request's whole key list (None past ``max_chain_keys``) and how many of its blocks were ready.
+    chain: Sequence[int] | None = None
+    ready: int = 0
 
 
 class RoutedPrefixes:
@@ -55,12 +63,16 @@ class RoutedPrefixes:
         stride: int = 16,
         max_notes: int = 20_000,
         now: Callable[[], float] = time.monotonic,
+        max_chain_keys: int = 2_000_000,
     ) -> None:
-        if ttl_s < 0 or stride < 1 or max_notes < 1:
-            raise ValueError("ttl_s must be >= 0, stride and max_notes >= 1")
+        if ttl_s < 0 or stride < 1 or max_notes < 1 or max_chain_keys < 0:
+            raise ValueError("ttl_s must be >= 0, stride and max_notes >= 1, max_chain_keys >= 0")
         self.ttl_s = ttl_s
         self.stride = stride
         self.max_notes = max_notes
+        self.max_chain_keys = max_chain_keys
+        #: Keys referred to by live notes' chains (bounded by ``max_chain_keys``).
+        self.chain_keys = 0
         self._now = now
         #: Every live note, oldest first.
         self._notes: OrderedDict[str, _Note] = OrderedDict()
@@ -70,6 +82,8 @@ class RoutedPrefixes:
         self._count: dict[Pair, dict[int, int]] = {}
         #: The same for the checkpoints a counted note's worker is still computing.
         self._computing: dict[Pair, dict[int, int]] = {}
+        #: Per (model, worker): checkpoint key -> the latest counted note with a chain holding it.
+        self._chains: dict[Pair, dict[int, _Note]] = {}
 
     @property
     def enabled(self) -> bool:
@@ -94,7 +108,10 @@ class RoutedPrefixes:
         points = self._checkpoint_keys(keys)
         # Checkpoint i stands for the blocks up to (i + 1) x stride: computing once it reaches past ``ready``.
         computing_from = len(points) if ready >= len(keys) else max(0, ready) // self.stride
-        note = _Note(self._now() + self.ttl_s, (model, worker_id), points, computing_from)
+        chain = keys if self.chain_keys + len(keys) <= self.max_chain_keys else None
+        if chain is not None:
+            self.chain_keys += len(keys)
+        note = _Note(self._now() + self.ttl_s, (model, worker_id), points, computing_from, chain, max(0, ready))
         self._notes[request_id] = note
         self._uncounted[request_id] = note
         while len(self._notes) > self.max_notes:
@@ -133,8 +150,27 @@ class RoutedPrefixes:
                 if ready == run - 1 and key not in computing:
                     ready = run
             if run:  # the run's last checkpoint is block run x stride, or the prompt's last block
-                out[pair[1]] = (min(run * stride, n), min(ready * stride, n))
+                blocks, ready_blocks = min(run * stride, n), min(ready * stride, n)
+                if blocks < n:
+                    blocks, ready_blocks = self._past_checkpoint(pair, keys, points[run - 1], blocks, ready_blocks)
+                out[pair[1]] = (blocks, ready_blocks)
         return out
+
+    def _past_checkpoint(self, pair: Pair, keys: Sequence[int], last: int, blocks: int, ready: int) -> tuple[int, int]:
+        """``blocks`` of ``keys`` are routed to ``pair`` up to the checkpoint ``last``: follow a note holding
+        it block by block to where the prefixes part (before the next checkpoint, which no note has). The
+        blocks gained are ready when all before them are and that note's worker held them already."""
+        note = self._chains.get(pair, {}).get(last)
+        if note is None or note.chain is None:
+            return blocks, ready
+        chain = note.chain
+        end = min(len(keys), len(chain), blocks + self.stride - 1)
+        grown = blocks
+        while grown < end and keys[grown] == chain[grown]:
+            grown += 1
+        if ready == blocks:
+            ready = max(ready, min(grown, note.ready))
+        return grown, ready
 
     def _count_notes(self) -> None:
         """Count the notes made since the last lookup into their worker's key set."""
@@ -146,6 +182,10 @@ class RoutedPrefixes:
                 computing = self._computing.setdefault(note.pair, {})
                 for key in note.keys[note.computing_from :]:
                     computing[key] = computing.get(key, 0) + 1
+            if note.chain is not None:
+                chains = self._chains.setdefault(note.pair, {})
+                for key in note.keys:
+                    chains[key] = note
         self._uncounted.clear()
 
     def _expire(self) -> None:
@@ -159,11 +199,20 @@ class RoutedPrefixes:
 
     def _drop(self, request_id: str, note: _Note) -> None:
         """``note`` (of ``request_id``) is gone: uncount it, unless it never was counted."""
+        if note.chain is not None:
+            self.chain_keys -= len(note.chain)
         if self._uncounted.pop(request_id, None) is not None:
             return
         _uncount(self._count, note.pair, note.keys)
         if note.computing_from < len(note.keys):
             _uncount(self._computing, note.pair, note.keys[note.computing_from :])
+        chains = self._chains.get(note.pair)
+        if note.chain is not None and chains is not None:
+            for key in note.keys:
+                if chains.get(key) is note:
+                    del chains[key]
+            if not chains:
+                del self._chains[note.pair]
 
 
 def _uncount(table: dict[Pair, dict[int, int]], pair: Pair, keys: Sequence[int]) -> None:

@@ -27,9 +27,9 @@ def test_a_routed_prefix_is_held_by_its_worker_only() -> None:
     routed.note("r1", "m", "w0", keys)
     assert routed.held("m", keys) == {"w0": 40}
     assert routed.held("other-model", keys) == {}
-    # A longer prompt sharing the prefix: the routed part, to a checkpoint (every 4th block, and the last).
+    # A longer prompt sharing the prefix: the routed part, to the block where the prompts part.
     assert routed.held("m", keys + chain(10, seed=1)) == {"w0": 40}
-    assert routed.held("m", keys[:30] + chain(10, seed=2)) == {"w0": 28}
+    assert routed.held("m", keys[:30] + chain(10, seed=2)) == {"w0": 30}
     assert routed.held("m", chain(40, seed=3)) == {}
 
 
@@ -45,7 +45,7 @@ def test_what_a_routed_request_is_computing_is_not_ready_until_it_answers() -> N
     routed.note("r3", "m", "w1", keys, ready=40)  # a whole hit: nothing computing
     assert routed.held_ready("m", keys)["w1"] == (40, 40)
     routed.note("r4", "m", "w2", keys[:6] + chain(3, seed=9))  # ready=0: all of it computing
-    assert routed.held_ready("m", keys)["w2"] == (4, 0)
+    assert routed.held_ready("m", keys)["w2"] == (6, 0)
 
 
 def test_notes_expire_and_failed_requests_are_forgotten() -> None:
@@ -109,3 +109,41 @@ def test_notes_counted_by_a_lookup_or_not_yet_are_forgotten_alike() -> None:
     routed.forget("r3")
     routed.forget("r4")
     assert routed.held("m", keys) == {} and len(routed) == 0
+
+
+def test_a_shared_prefix_counts_to_the_block_not_to_the_checkpoint() -> None:
+    """A group's system prompt of 47 blocks with a new question after it, checkpoints every 16 blocks: a
+    request queued behind it shares 47 blocks of it, not 32 (the old rounding priced 15 blocks of prefill
+    the request never ran). The blocks past the checkpoint are ready as the note says, computing otherwise."""
+    routed = RoutedPrefixes(ttl_s=5, stride=16, now=Clock())
+    system = chain(47)
+    first, second = system + chain(9, seed=1), system + chain(9, seed=2)
+    routed.note("r1", "m", "w0", first)  # nothing held: w0 computes all of it
+    assert routed.held_ready("m", second) == {"w0": (47, 0)}
+    routed.note("r2", "m", "w1", first, ready=56)  # a whole hit on w1: nothing computing
+    assert routed.held_ready("m", second)["w1"] == (47, 47)
+    routed.note("r3", "m", "w2", first, ready=40)  # w2 held 40 blocks: ready to there, computing after
+    assert routed.held_ready("m", second)["w2"] == (47, 40)
+    routed.forget("r2")
+    assert "w1" not in routed.held_ready("m", second)
+
+
+def test_chains_are_kept_within_their_key_budget_and_released() -> None:
+    """Past ``max_chain_keys`` a note keeps its checkpoints only (the shared prefix is rounded down to one);
+    the keys come back to the budget when a note goes, whether it was counted or not."""
+    routed = RoutedPrefixes(ttl_s=5, stride=16, now=Clock(), max_chain_keys=100)
+    system = chain(47)
+    routed.note("r1", "m", "w0", system + chain(9, seed=1))
+    assert routed.chain_keys == 56
+    routed.note("r2", "m", "w1", system + chain(9, seed=3))  # 112 > 100: checkpoints only
+    assert routed.chain_keys == 56
+    second = system + chain(9, seed=2)
+    assert routed.held("m", second) == {"w0": 47, "w1": 32}
+    routed.forget("r1")  # counted by that lookup
+    routed.note("r4", "m", "w2", system)  # not counted yet
+    assert routed.chain_keys == 47
+    routed.forget("r4")
+    routed.forget("r2")
+    assert routed.chain_keys == 0 and routed.held("m", second) == {}
+    with pytest.raises(ValueError):
+        RoutedPrefixes(max_chain_keys=-1)
