@@ -26,6 +26,10 @@ the GPU, batch mix and context length, and the index's view of caches lags the e
   the ratio, capped at 1, could never correct it. Now it converges to 1 ÷ the prior there (the clamp at
   probability 1 stays) and to the observed share where hits go missing. The same numbers give the
   stale-decision counter and rate;
+* the **TTFT error**: the mean absolute difference between the predicted and the observed first token of
+  whole (not split) plans (EWMA from the prior ``ttft_error_prior_s``). A plan that leaves the worker
+  holding the most of a prompt must gain at least that much (see ``CostParams.affinity_by_load``): a
+  smaller gain is within what the model gets wrong anyway;
 * a per-tier **source factor**: the engines' per-source ground truth (vLLM's
   ``prompt_tokens_cached_by_source``, scraped) against the plans' predicted tokens per tier, relative to all
   tiers together — the hit ratio sets the level, this says which tier the misses come from (a CPU tier
@@ -82,12 +86,13 @@ class Calibrator:
         min_prefill_tokens: int = 128,
         overhead_forget: float = 0.05,
         max_overhead_s: float = 0.5,
+        ttft_error_prior_s: float = 0.005,
         now: Callable[[], float] = time.monotonic,
     ) -> None:
         if not 0 < alpha <= 1:
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
-        if not 0 < overhead_forget <= 1 or max_overhead_s < 0:
-            raise ValueError("overhead_forget must be in (0, 1] and max_overhead_s >= 0")
+        if not 0 < overhead_forget <= 1 or max_overhead_s < 0 or ttft_error_prior_s < 0:
+            raise ValueError("overhead_forget must be in (0, 1], max_overhead_s and ttft_error_prior_s >= 0")
         self.alpha = alpha
         self.overhead_forget = overhead_forget
         self.max_overhead_s = max_overhead_s
@@ -111,6 +116,8 @@ class Calibrator:
         self._predicted_seen: dict[str, int] = {}
         #: Per model: seconds a prefill -> decode handoff takes beyond what the plans predicted for it.
         self._handoff_extra: dict[str, float] = {}
+        #: EWMA of |observed - predicted| TTFT of whole plans, from the prior.
+        self.ttft_error_s = float(ttft_error_prior_s)
 
     @classmethod
     def from_options(cls, options: Mapping[str, object]) -> Calibrator:
@@ -226,6 +233,9 @@ class Calibrator:
                     self._learn_hit_ratio(min(1.0, reported / predicted), predicted, plan.breakdown)
         if not outcome.ok or outcome.ttft_s is None:
             return
+        if plan.prefill == plan.decode and "total_s" in plan.breakdown:
+            error = abs(outcome.ttft_s - plan.breakdown["total_s"])
+            self.ttft_error_s += self.alpha * (error - self.ttft_error_s)
         self._learn_handoff(outcome)
         self._learn_speed(outcome, reported if reported is not None else predicted)
 

@@ -143,6 +143,11 @@ class Context:
     #: The share of the affinity penalty this request's prefix carries: 1 for a prefix nobody else used
     #: lately (a session's own history), 1 / (1 + n) for one n other recent requests ended on.
     affinity_share: float = 1.0
+    #: The share of the other prefill-capable workers with work ahead (``CostParams.affinity_by_load``):
+    #: the affinity penalty is scaled by it, but not below ``affinity_floor_s`` (1.0 when not scaled).
+    affinity_load: float = 1.0
+    #: The calibrated TTFT error: leaving the holder must gain at least that much (when scaled by load).
+    affinity_floor_s: float = 0.0
     #: Whether a plan may name a ``remote_kv_source`` peer (P2P pool, tier policy allows it).
     allow_sources: bool = False
     #: Seconds a prefill -> decode handoff takes beyond the configured figures (learnt from split answers).

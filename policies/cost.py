@@ -26,7 +26,7 @@ behind them, live in :class:`~kvroute.policies.load_model.QueueModel`; which pla
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from kvroute.indexer.backend import WorkerMatch
 from kvroute.policies.base import (
@@ -231,6 +231,8 @@ class KvAwarePolicy(Policy):
             locals=locals_,
             best_local=holder.expected if holder is not None else 0.0,
             affinity_share=self._affinity_share(request, holder, dry_run),
+            affinity_load=_busy_share(locals_.values(), holder) if prm.affinity_by_load else 1.0,
+            affinity_floor_s=self.calibrator.ttft_error_s,
             allow_sources=p2p and self.tiers.allows_source(cls),
             handoff_extra=self.calibrator.handoff_extra_s(request.model),
         )
@@ -363,7 +365,10 @@ class KvAwarePolicy(Policy):
         # Cached tokens this plan leaves behind on the worker holding the most: their recompute is
         # certain, the queue it avoids is an estimate from lagging load signals.
         left_behind = max(0.0, ctx.best_local - cached_exp)
-        rank = score + left_behind * per_token * prm.affinity_weight * ctx.affinity_share
+        penalty = left_behind * per_token * prm.affinity_weight * ctx.affinity_share
+        if penalty > 0 and ctx.affinity_load < 1:
+            penalty = max(penalty * ctx.affinity_load, min(penalty, ctx.affinity_floor_s))
+        rank = score + penalty
         if stalls:  # every decode stream running there waits out this prefill (inter-token latency)
             rank += prefill * prm.decode_stall_weight * max(p.load, 1)
         rank += held
@@ -423,6 +428,22 @@ class KvAwarePolicy(Policy):
             candidates=shown,
             policy=self.name,
         )
+
+
+#: Predicted work ahead above which a worker counts as busy for the affinity penalty's load scale.
+_BUSY_S = 0.001
+
+
+def _busy_share(terms: Iterable[WorkerTerms], holder: WorkerTerms | None) -> float:
+    """The share of the prefill-capable workers other than ``holder`` with work ahead now: how much the
+    recompute a plan leaves behind would delay other requests (1.0 when there are no such workers)."""
+    others = busy = 0
+    for lw in terms:
+        if lw is holder or lw.worker.role == "decode":
+            continue
+        others += 1
+        busy += lw.queue_s > _BUSY_S
+    return busy / others if others else 1.0
 
 
 def _holding(terms: WorkerTerms) -> tuple[int, float]:

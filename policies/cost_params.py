@@ -76,6 +76,12 @@ class CostParams:
     #: that carry noise; a session should move only for a clear gain (and then keeps moving freely
     #: under real load: the penalty is bounded, the queue term is not).
     affinity_weight: float = 1.0
+    #: The recompute left behind costs the fleet that much GPU time, which delays other requests only where
+    #: the workers that would take it are busy: the penalty is scaled by the share of the other
+    #: prefill-capable workers with work ahead at the moment, but never below the calibrated TTFT error
+    #: (a move must gain more than the model's own error; ``calibration.ttft_error_prior_s`` until
+    #: measured). False: the whole penalty.
+    affinity_by_load: bool = True
     #: Ties between equally ranked plans (above all a prefix nobody holds, on workers with no queue) go to
     #: the worker sent the least traffic lately: a count of the requests routed there, decayed with this
     #: time constant. Where a new prefix lands, its repeats follow; spreading new prefixes by the traffic
@@ -132,7 +138,7 @@ class CostParams:
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
-        for flag in ("pd_local_prefill", "pd_prefill_decodes"):
+        for flag in ("pd_local_prefill", "pd_prefill_decodes", "affinity_by_load"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be true or false, got {getattr(self, flag)!r}")
         if self.bytes_per_token <= 0:

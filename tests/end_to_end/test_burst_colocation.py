@@ -47,8 +47,11 @@ async def burst(ttl_s: float) -> tuple[collections.Counter[str], int, float]:
 
 
 async def test_a_burst_with_a_new_prefix_is_colocated_and_reuses_it() -> None:
+    """The followers queue behind the request computing the prefix until that queue outweighs computing it
+    again on an idle worker by more than the model's own error: at most two workers compute it, every
+    follower is served it from cache, and a worker stays free."""
     where, cached, hits = await burst(ttl_s=30)
-    assert max(where.values()) >= 5, where  # one worker computes the prefix, the others stay free
+    assert len(where) <= 2 and max(where.values()) >= 3, where
     assert hits >= 4
     assert cached >= 4 * 464  # the followers were served the prefix from cache
 

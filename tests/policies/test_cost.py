@@ -8,7 +8,7 @@ import math
 import pytest
 from kvroute.indexer.backend import WorkerMatch
 from kvroute.policies import create_policy
-from kvroute.policies.base import NoWorkerError, PoolContext, RouteOutcome, WorkerView
+from kvroute.policies.base import NoWorkerError, PoolContext, RouteOutcome, RoutePlan, WorkerView
 from kvroute.policies.cost import KvAwarePolicy, usable_run
 
 from tests.policies.util import gpu, request, workers
@@ -641,29 +641,65 @@ def test_calibration_separates_a_fixed_overhead_from_prefill_speed() -> None:
 
 def test_a_session_moves_only_for_a_clear_gain() -> None:
     """Leaving the worker that holds the history costs its recompute for sure; a small predicted queue
-    there must not outweigh that, a long one must (affinity_weight=0 is pure predicted TTFT)."""
+    there must not outweigh that, a long one must (affinity_weight=0 is pure predicted TTFT). The whole
+    penalty here (``affinity_by_load`` off; the next test scales it by the fleet's load)."""
     ws = workers(2)
     ws[0] = dataclasses.replace(ws[0], inflight=4)  # 0.4 s of unknown work; recomputing 0.32 s is cheaper
     req = request(4000, gpu("w0", 200))
     assert kvaware(affinity_weight=0.0, calibrate=False).choose(req, ws).prefill == "w1"
-    assert kvaware(calibrate=False).choose(req, ws).prefill == "w0"
+    assert kvaware(calibrate=False, affinity_by_load=False).choose(req, ws).prefill == "w0"
     ws[0] = dataclasses.replace(ws[0], inflight=10)
-    plan = kvaware(calibrate=False).choose(req, ws)
+    plan = kvaware(calibrate=False, affinity_by_load=False).choose(req, ws)
     assert plan.prefill == "w1" and "load overrides affinity" in plan.why()
+
+
+def measured_error(policy: KvAwarePolicy, error_s: float, n: int = 40) -> None:
+    """Tell ``policy``'s calibrator of ``n`` whole plans (on a worker the tests do not use) each off by
+    ``error_s``: the TTFT error it then knows (an EWMA: within 0.1 % after 40)."""
+    for i in range(n):
+        plan = RoutePlan(prefill="elsewhere", decode="elsewhere", breakdown={"total_s": 0.05})
+        policy.calibrator.observe(RouteOutcome(f"e{i}", "m", plan, 100, 100, 0.05 + error_s))
+
+
+def test_the_recompute_left_behind_weighs_as_much_as_the_other_workers_are_busy() -> None:
+    """The recompute a move leaves behind is GPU time taken from whoever else needs that worker: with the
+    others idle, only the model's own TTFT error (a move must gain more than that); with half of them busy,
+    half of it, so a 96 ms gain no longer outweighs 160 ms of it."""
+    ws = workers(3)
+    ws[0] = dataclasses.replace(ws[0], inflight=4)  # the holder: 0.4 s of work ahead
+    req = request(4000, gpu("w0", 200))
+    policy = kvaware(calibrate=False)
+    assert policy.calibrator.ttft_error_s == 0.005  # the prior, until outcomes say otherwise
+    measured_error(policy, 0.05)
+    assert policy.calibrator.ttft_error_s == pytest.approx(0.05, rel=1e-3)
+    plan = policy.choose(req, ws)
+    assert plan.prefill in ("w1", "w2") and plan.breakdown["affinity_penalty_s"] == pytest.approx(0.05, rel=1e-3)
+    unsure = kvaware(calibrate=False)
+    measured_error(unsure, 0.2)  # the 96 ms gain is within the model's error: stay
+    assert unsure.choose(req, ws).prefill == "w0"
+    ws[2] = dataclasses.replace(ws[2], inflight=4)
+    assert policy.choose(req, ws).prefill == "w0"
+    whole = kvaware(calibrate=False, affinity_by_load=False).explain(req, ws).candidates
+    half = {c.prefill: c.breakdown["affinity_penalty_s"] for c in policy.explain(req, ws).candidates}
+    assert half["w1"] == pytest.approx(next(c for c in whole if c.prefill == "w1").breakdown["affinity_penalty_s"] / 2)
+    assert half["w1"] > 0.15
+    with pytest.raises(ValueError):
+        kvaware(affinity_by_load="yes")
 
 
 def test_the_recompute_left_behind_is_shared_among_the_requests_that_used_the_prefix_lately() -> None:
     """A session's own history sticks behind a queue that a prefix many requests ended on lately (a group's
-    system prompt) does not: a second holder takes part of their load. Explaining counts nobody."""
+    system prompt) does not: a second holder takes part of their load. Explaining counts nobody. (The
+    whole penalty, not scaled by the fleet's load: the other worker here is idle.)"""
     ws = workers(2)
     ws[0] = dataclasses.replace(ws[0], inflight=4)  # as above: the queue is worth less than the recompute
     keys = list(range(1, 251))  # 4000 tokens in 16-token blocks; w0 holds the first 200
-    alone = kvaware(calibrate=False)
+    alone = kvaware(calibrate=False, affinity_by_load=False)
     plan = alone.choose(request(4000, gpu("w0", 200), block_keys=keys), ws)
     assert plan.prefill == "w0"
     assert alone.queue.prefix_users(keys[199]) == pytest.approx(1.0, rel=1e-3)  # this request, once routed
 
-    shared = kvaware(calibrate=False)
+    shared = kvaware(calibrate=False, affinity_by_load=False)
     for _ in range(8):
         shared.queue.used_prefix(keys[199])
     explained = shared.explain(request(4000, gpu("w0", 200), block_keys=keys), ws)

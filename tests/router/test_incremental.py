@@ -11,9 +11,10 @@ import gc
 from pathlib import Path
 
 import pytest
+import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kvroute.indexer.keys import KeyChainCache, TokenIds, pack_tokens, request_keys, token_bytes
+from kvroute.indexer.keys import KeyChainCache, PrefixIndex, TokenIds, pack_tokens, request_keys, token_bytes
 from kvroute.router.tokens import LocalTokenizer, PluginTokenizer
 from kvroute.sim.tokenizer import encode_chat, tokenize
 
@@ -302,3 +303,24 @@ def test_a_growing_prompt_hashes_only_its_new_blocks_through_the_memo(model_fold
     again = sim.encode(text + " " + " ".join(f"n{i}" for i in range(40)))
     assert cache.keys(again, 16, "m") == request_keys(list(grown), 16, "m")
     assert cache.stats()["hits"] == stats["hits"] + 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sampled_from(PIECES), min_size=0, max_size=400), st.integers(0, 2**64 - 1))
+def test_prefix_marks_are_the_utf8_hashes_of_their_segments(pieces: list[str], seed: int) -> None:
+    """An ASCII text is marked through one encoded view, any other text segment by segment: either way each
+    mark is the xxh3 chain of the text's UTF-8 segments, so the same prefix marks alike in a str and bytes."""
+    text = "".join(pieces)
+    index: PrefixIndex[str, int] = PrefixIndex(1 << 20, unit=1, first=4, step=64)
+    probe = index.probe(text, seed)
+    h, prev, expected = seed, 0, []
+    for pos in index.positions(len(text)):
+        h = xxhash.xxh3_64_intdigest(text[prev:pos].encode("utf-8", "surrogatepass"), h)
+        expected.append((pos, h))
+        prev = pos
+    assert probe.marks == expected
+    if text.isascii():
+        assert PrefixIndex(1 << 20, unit=1, first=4, step=64).probe(text.encode(), seed).marks == expected
+    index.put(text, 1, 10, probe)
+    longer = text + "x" * 70
+    assert index.longest(longer, index.probe(longer, seed)) is not None or not index.probe(text, seed).marks
