@@ -51,7 +51,8 @@ def summarize(receipts: list[dict[str, Any]]) -> dict[str, Any]:
     regret = 0
     for r in receipts:
         pred, obs = r["predicted"], r["observed"]
-        cached = obs.get("cached_tokens")
+        # A split answer's cached tokens count the KV its decoder pulled; its prefill leg's are the hit.
+        cached = obs.get("prefill_leg_cached_tokens") if r["prefill"] != r["decode"] else obs.get("cached_tokens")
         if isinstance(cached, int):
             p = pred.get("cached_tokens") or 0
             hits["exact" if p == cached else "over" if p > cached else "under"] += 1

@@ -186,6 +186,16 @@ class RouteOutcome:
     #: A split plan's prefill leg: seconds from the request's arrival to the prefiller's answer (None when
     #: the plan had no separate prefill leg). The rest of ``ttft_s`` is the handoff and the decoder's work.
     prefill_leg_s: float | None = None
+    #: The prefill leg's own ``cached_tokens`` (its worker's cache hit; None when not split or not reported).
+    #: A split answer's ``cached_tokens`` also counts the KV its decoder pulled from the prefiller.
+    prefill_leg_cached_tokens: int | None = None
+
+    @property
+    def prefill_cached_tokens(self) -> int | None:
+        """What the engine that ran the prefill had cached: the prefill leg's figure on a split plan."""
+        if self.plan.prefill != self.plan.decode:
+            return self.prefill_leg_cached_tokens
+        return self.cached_tokens
 
 
 @dataclass(slots=True, frozen=True)

@@ -220,7 +220,10 @@ class Calibrator:
         fb = self.feedback
         fb.decisions += 1
         predicted = plan.predicted_cached_tokens
-        reported = outcome.cached_tokens
+        # A split answer's cached tokens count the KV its decoder pulled: the prefill leg's own figure is the
+        # prefiller's hit. Read as a hit, the pulled KV made every fresh prefill look ~0 tokens long, and the
+        # speed fit took its whole prefill for fixed overhead (split prefills then ran 1.2x the prediction).
+        reported = outcome.prefill_cached_tokens
         fb.predicted_cached_tokens += predicted
         if reported is not None:
             fb.reported_cached_tokens += reported
@@ -229,8 +232,7 @@ class Calibrator:
                 fb.stale_decisions += stale
                 self._recent.append((self.now(), stale))
                 self._trim()
-                if plan.prefill == plan.decode:  # a split's answer counts the KV the decoder pulled as cached
-                    self._learn_hit_ratio(min(1.0, reported / predicted), predicted, plan.breakdown)
+                self._learn_hit_ratio(min(1.0, reported / predicted), predicted, plan.breakdown)
         if not outcome.ok or outcome.ttft_s is None:
             return
         if plan.prefill == plan.decode and "total_s" in plan.breakdown:

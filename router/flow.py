@@ -32,7 +32,7 @@ from kvroute.router.forwarding import Forwarder, RawResponse, Result, response_h
 from kvroute.router.kv_metrics import KVRouteMetrics
 from kvroute.router.kv_params import KVParamsError, Leg, Legs, build_legs
 from kvroute.router.metrics import RouterMetrics
-from kvroute.router.outcomes import Outcomes
+from kvroute.router.outcomes import Outcomes, PrefillLegAnswer
 from kvroute.router.registry import WorkerRegistry
 from kvroute.router.requests import ParsedRequest
 from kvroute.router.surfaces import usage_counts
@@ -260,9 +260,9 @@ class RequestFlow:
         delivery = self.rewrite(decision)
         worker_id, body = delivery.worker_id, delivery.body
         legs = delivery.legs
-        prefill_leg_s: float | None = None
+        prefill_leg: PrefillLegAnswer | None = None
         if legs is not None and legs.prefill is not None:
-            final, prefill_leg_s = await self._after_prefill(decision, legs, legs.prefill)
+            final, prefill_leg = await self._after_prefill(decision, legs, legs.prefill)
             worker_id, body = final.worker_id, orjson.dumps(final.body)
         request.tried.add(worker_id)
         opened = await self.forwarder.open(
@@ -295,7 +295,7 @@ class RequestFlow:
         return self.forwarder.respond(
             opened,
             request.request_id,
-            lambda result: self.report(decision, result, prefill_leg_s),
+            lambda result: self.report(decision, result, prefill_leg),
             self._debug_headers(decision),
             settle,
         )
@@ -309,16 +309,19 @@ class RequestFlow:
         predicted = decision.plan.predicted_ttft_s
         return decision.request.stream and predicted is not None and predicted < self.early_head_ttft_s
 
-    async def _after_prefill(self, decision: Decision, legs: Legs, prefill: Leg) -> tuple[Leg, float | None]:
+    async def _after_prefill(self, decision: Decision, legs: Legs, prefill: Leg) -> tuple[Leg, PrefillLegAnswer | None]:
         """Run the prefill leg; the decode leg follows from its answer, or local recomputation when it failed.
-        Also when the prefiller answered, in seconds after the request arrived (None after a fallback)."""
+        Also how the prefiller answered: when, and its own cached tokens (None after a fallback)."""
+        request = decision.request
         try:
             answer = await self._prefill(decision, prefill)
-            answered = time.perf_counter() - decision.request.started
+            answered = time.perf_counter() - request.started
             final = legs.decode_leg(answer)
             if decision.facts.conversation is not None and decision.plan.reuse_conversation:
                 self.kv_metrics.conversations.labels("reused").inc()
-            return final, answered
+            usage = answer.get("usage") if isinstance(answer, dict) else None
+            _, cached, _ = usage_counts(request.route, usage if isinstance(usage, dict) else None)
+            return final, PrefillLegAnswer(answered, cached)
         except (UpstreamError, KVParamsError, PrefillFailed) as exc:
             self.kv_metrics.fallbacks.labels("prefill_leg").inc()
             limited.warning(
@@ -381,9 +384,9 @@ class RequestFlow:
 
     # ------------------------------------------------------------------ report
 
-    def report(self, decision: Decision, result: Result, prefill_leg_s: float | None = None) -> None:
+    def report(self, decision: Decision, result: Result, prefill_leg: PrefillLegAnswer | None = None) -> None:
         """Called once per answered request, when its last byte went out."""
-        self.outcomes.record(decision.request, decision.facts, decision.plan, result, self.policy, prefill_leg_s)
+        self.outcomes.record(decision.request, decision.facts, decision.plan, result, self.policy, prefill_leg)
 
     def _debug_headers(self, decision: Decision) -> list[tuple[bytes, bytes]] | None:
         if not (self.allow_debug and decision.request.wants_debug):

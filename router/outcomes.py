@@ -9,6 +9,7 @@ engine did not serve is a *stale* decision.
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 from kvroute.policies.base import Policy, RouteOutcome, RoutePlan
 from kvroute.router.facts import Facts
@@ -32,6 +33,14 @@ def surface_of(request: ParsedRequest, lora: str | None = None) -> str:
     if request.json is not None and request.json.get("cache_salt"):
         surface += "+salted"
     return surface
+
+
+class PrefillLegAnswer(NamedTuple):
+    """A split plan's prefill leg as it answered: seconds after the request arrived, and the cached tokens
+    its own usage reported (the prefiller's hit; the final answer's also count the KV the decoder pulled)."""
+
+    answered_s: float
+    cached_tokens: int | None
 
 
 class Outcomes:
@@ -59,11 +68,12 @@ class Outcomes:
         plan: RoutePlan,
         result: Result,
         policy: Policy,
-        prefill_leg_s: float | None = None,
+        prefill_leg: PrefillLegAnswer | None = None,
     ) -> None:
-        """Metrics, the receipt and the policy's feedback for one answered request (``prefill_leg_s``: its
-        prefill leg's answer, seconds after arrival, when the plan was split)."""
+        """Metrics, the receipt and the policy's feedback for one answered request (``prefill_leg``: its
+        prefill leg's answer, when the plan was split and that leg answered)."""
         prompt_tokens, cached, _ = usage_counts(request.route, result.usage)
+        leg_s, leg_cached = prefill_leg if prefill_leg is not None else (None, None)
         model = request.model or ""
         m = self.metrics
         if isinstance(prompt_tokens, int):
@@ -81,7 +91,8 @@ class Outcomes:
             # Only a stream's first chunk is a time to first token; a whole JSON answer includes decoding.
             ttft_s=result.ttfb_s if request.stream else None,
             ok=result.ok,
-            prefill_leg_s=prefill_leg_s,
+            prefill_leg_s=leg_s,
+            prefill_leg_cached_tokens=leg_cached,
         )
         if self.receipts is not None:
             self.receipts.add(
@@ -94,13 +105,15 @@ class Outcomes:
                 stream=request.stream,
                 status=result.status,
                 ok=result.ok,
-                prefill_leg_s=prefill_leg_s,
+                prefill_leg_s=leg_s,
+                prefill_leg_cached_tokens=leg_cached,
             )
         try:
             policy.observe(outcome)
         except Exception:
             log.exception("policy %s failed to observe an outcome", policy.name)
-        self._check_prediction(request, facts, plan, result, cached, policy)
+        # A split answer's cached tokens include the KV its decoder pulled: the prefill leg's are the hit.
+        self._check_prediction(request, facts, plan, result, outcome.prefill_cached_tokens, policy)
 
     def _check_prediction(
         self,

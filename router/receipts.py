@@ -44,9 +44,10 @@ def receipt_of(
     status: int,
     ok: bool,
     prefill_leg_s: float | None = None,
+    prefill_leg_cached_tokens: int | None = None,
 ) -> dict[str, Any]:
-    """One receipt as plain JSON-able data (``prefill_leg_s``: a split plan's prefill leg, see
-    :class:`~kvroute.policies.base.RouteOutcome`)."""
+    """One receipt as plain JSON-able data (``prefill_leg_s``, ``prefill_leg_cached_tokens``: a split plan's
+    prefill leg, see :class:`~kvroute.policies.base.RouteOutcome`)."""
     breakdown = plan.breakdown or {}
     alternatives = [_alternative(c) for c in plan.candidates[1 : 1 + ALTERNATIVES]]
     chosen_note = plan.candidates[0].note if plan.candidates else ""
@@ -75,6 +76,7 @@ def receipt_of(
             # A stream's first chunk is its time to first token; a whole JSON answer includes decoding.
             "ttft_s": ttfb_s if stream else None,
             "prefill_leg_s": prefill_leg_s,
+            "prefill_leg_cached_tokens": prefill_leg_cached_tokens,
             "status": status,
             "ok": ok,
         },

@@ -8,12 +8,16 @@ is the first content chunk; end-to-end latency and ``cached_tokens`` come from t
 from __future__ import annotations
 
 import asyncio
+import gc
 import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+# httpx's async backend (anyio's asyncio module) loads on a client's first request: 15 ms that the first
+# request of a replay would carry as latency. Loaded with this module instead.
+import anyio._backends._asyncio  # noqa: F401
 import httpx
 import orjson
 from kvroute.sim.hop_log import prompt_key
@@ -190,13 +194,21 @@ async def replay(
     ``base_url`` may be a function of (session, turn) for client-side routing baselines."""
     report = ReplayReport(trace.name, base_url if isinstance(base_url, str) else "client-side", 0.0)
     limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
-    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
-        start = time.perf_counter()
-        await asyncio.gather(
-            *(
-                _session(client, base_url, model, s, start, time_scale, report, on_result, conversation_field)
-                for s in trace.sessions
+    # What the caller holds (traces, earlier runs' results) leaves the collector's reach for the replay: a
+    # full collection of it mid-replay (34 ms in bench/peers.py's process) is a pause of this client that
+    # some request's time to first token would carry, whatever router is measured.
+    gc.collect()
+    gc.freeze()
+    try:
+        async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
+            start = time.perf_counter()
+            await asyncio.gather(
+                *(
+                    _session(client, base_url, model, s, start, time_scale, report, on_result, conversation_field)
+                    for s in trace.sessions
+                )
             )
-        )
-        report.duration_s = time.perf_counter() - start
+            report.duration_s = time.perf_counter() - start
+    finally:
+        gc.unfreeze()
     return report

@@ -69,13 +69,22 @@ async def test_a_split_plan_reports_its_prefill_leg_and_the_handoff_is_learnt_fr
     ) as (fleet, url, app):
         policy = app.state.kvroute.flow.policy
         async with httpx.AsyncClient(timeout=30) as client:
-            body = {"model": fleet.model, "prompt": words(900, "split"), "max_tokens": 2, "stream": True}
+            body = {
+                "model": fleet.model,
+                "prompt": words(900, "split"),
+                "max_tokens": 2,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
             answer = await client.post(f"{url}/v1/completions", json=body)
             assert answer.status_code == 200 and answer.text.rstrip().endswith("data: [DONE]")
             receipt = (await client.get(f"{url}/admin/receipts")).json()["receipts"][-1]
     assert receipt["kind"] == "P/D" and receipt["prefill"] != receipt["decode"]
     observed, terms = receipt["observed"], receipt["predicted"]["terms"]
     assert 0 < observed["prefill_leg_s"] < observed["ttft_s"]
+    # The answer counts the KV the decoder pulled as cached; the prefiller's own hit is its leg's: none.
+    assert observed["prefill_leg_cached_tokens"] == 0 < observed["cached_tokens"]
+    assert policy.feedback.reported_cached_tokens == 0
     error = (observed["ttft_s"] - observed["prefill_leg_s"]) - (terms["handoff_s"] + terms["decode_queue_s"])
     learnt = policy.calibrator.handoff_extra_s(fleet.model)
     assert learnt == pytest.approx(max(-terms["handoff_s"], min(0.5, 0.2 * error)))

@@ -532,6 +532,68 @@ def test_the_prefill_speed_of_a_split_plan_is_read_from_its_prefill_leg() -> Non
     )
 
 
+def test_the_kv_a_decoder_pulled_is_not_taken_for_the_prefillers_hit() -> None:
+    """A split answer's cached tokens count the KV its decoder pulled (all but the last few tokens). Read as
+    the prefiller's hit, every fresh split prefill looked a few tokens long yet took its full time, and the
+    speed fit, fed whole plans' exact answers too, read that as fixed overhead and a faster rate: split
+    prefills then ran ~1.2x their prediction. The prefill leg's own cached tokens are the hit; without
+    them, the predicted hit stands in."""
+    split_pool = workers(1, role="prefill", prefix="p") + workers(1, role="decode", prefix="d")
+    for leg_reports in (True, False):
+        split = kvaware(kv_protocol="nixl", pd_local_prefill=False)
+        whole = kvaware()
+        whole.calibrator = split.calibrator
+        before = split.choose(request(16000), split_pool).breakdown["prefill_s"]
+        for i in range(80):
+            n = (1000, 2000, 4000, 8000)[i % 4]
+            plan = whole.choose(request(n, request_id=f"w{i}"), workers(1))
+            whole.observe(
+                RouteOutcome(f"w{i}", "m", plan, prompt_tokens=n, cached_tokens=0, ttft_s=plan.breakdown["total_s"])
+            )
+            plan = split.choose(request(n, request_id=f"s{i}"), split_pool)
+            leg = plan.breakdown["queue_s"] + plan.breakdown["prefill_s"]
+            split.observe(
+                RouteOutcome(
+                    f"s{i}",
+                    "m",
+                    plan,
+                    prompt_tokens=n,
+                    cached_tokens=n - 13,
+                    ttft_s=leg + plan.breakdown["handoff_s"],
+                    prefill_leg_s=leg,
+                    prefill_leg_cached_tokens=0 if leg_reports else None,
+                )
+            )
+        after = split.choose(request(16000, request_id="after"), split_pool).breakdown["prefill_s"]
+        assert after == pytest.approx(before, rel=0.05)
+        assert split.feedback.stale_decisions == 0
+
+
+def test_the_prefill_leg_teaches_the_hit_ratio() -> None:
+    """The prefiller held a quarter of what the plan counted on: the hit ratio learns it from the leg's own
+    cached tokens, not from the decoder's count (which includes the pulled KV, so always looked whole)."""
+    ws = workers(1, role="prefill", prefix="p") + workers(1, role="decode", prefix="d")
+    policy = kvaware(kv_protocol="nixl", pd_local_prefill=False)
+    for i in range(20):
+        plan = policy.choose(request(16000, gpu("p0", 500), request_id=f"r{i}"), ws)
+        assert plan.prefill == "p0" and plan.predicted_cached_tokens == 8000
+        leg = plan.breakdown["queue_s"] + plan.breakdown["prefill_s"]
+        policy.observe(
+            RouteOutcome(
+                f"r{i}",
+                "m",
+                plan,
+                prompt_tokens=16000,
+                cached_tokens=15987,
+                ttft_s=leg + plan.breakdown["handoff_s"],
+                prefill_leg_s=leg,
+                prefill_leg_cached_tokens=2000,
+            )
+        )
+    assert policy.calibrator.hit_ratio < 0.6
+    assert policy.feedback.stale_decisions == 20
+
+
 def test_calibration_can_be_turned_off() -> None:
     policy = kvaware(calibrate=False)
     plan = policy.choose(request(10000), workers(1))
