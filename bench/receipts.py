@@ -1,11 +1,14 @@
 """Read kvroute's per-request receipts (``receipts_path`` in the router config) and explain a run.
 
     .venv/bin/python bench/receipts.py out/peers/runs-*/mooncake-pd-0/receipts-kvaware.jsonl
+    .venv/bin/python bench/receipts.py --together out/peers/runs-*/mooncake-pd-*/receipts-kvaware.jsonl
 
-For each run: the plans by kind (aggregated, P/D, local prefill on a decoder, with a kv source), how far the
-predicted TTFT was from the observed one (streamed requests), how often the predicted hit was wrong (over
-or under the engine's cached tokens), and the *regret* bound: requests whose observed TTFT exceeded the
-runner-up's prediction by more than the chosen plan's own error — the decisions worth reading first.
+For each run (``--together``: all of them as one): the plans by kind (aggregated, P/D, local prefill on a
+decoder, with a kv source), how far the predicted TTFT was from the observed one (streamed requests), how
+often the predicted hit was wrong (over or under the engine's cached tokens; a split plan's against its
+prefill leg's), how long split plans' prefill legs took against their prediction (those predicted to start
+at once), and the *regret* bound: requests whose observed TTFT exceeded the runner-up's prediction by more
+than the chosen plan's own error — the decisions worth reading first.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ def summarize(receipts: list[dict[str, Any]]) -> dict[str, Any]:
     """Figures of one run's receipts (see the module docstring)."""
     kinds = Counter(kind_of(r) for r in receipts)
     errors: list[float] = []
+    legs: list[float] = []
     hits = Counter[str]()
     regret = 0
     for r in receipts:
@@ -56,6 +60,9 @@ def summarize(receipts: list[dict[str, Any]]) -> dict[str, Any]:
         if isinstance(cached, int):
             p = pred.get("cached_tokens") or 0
             hits["exact" if p == cached else "over" if p > cached else "under"] += 1
+        leg_ratio = _leg_ratio(r)
+        if leg_ratio is not None:
+            legs.append(leg_ratio)
         ttft, predicted = obs.get("ttft_s"), pred.get("ttft_s")
         if ttft is None or predicted is None:
             continue
@@ -74,8 +81,28 @@ def summarize(receipts: list[dict[str, Any]]) -> dict[str, Any]:
             "p10": _pct(errors, 0.1) * 1000 if errors else None,
             "p90": _pct(errors, 0.9) * 1000 if errors else None,
         },
+        "split_leg_ratio": {
+            "n": len(legs),
+            "median": statistics.median(legs) if legs else None,
+            "p90": _pct(legs, 0.9) if legs else None,
+        },
         "regret_candidates": regret,
     }
+
+
+#: The terms of a split plan's TTFT that its prefill leg covers (the rest: handoff, decoder queue).
+_LEG_TERMS = ("queue_s", "lookup_s", "transfer_s", "promotion_s", "prefill_s")
+
+
+def _leg_ratio(receipt: dict[str, Any]) -> float | None:
+    """A split plan's prefill leg, observed ÷ predicted, when no queue was predicted before it (a queue's
+    error is the queue model's, not the prefill speed's); None for other receipts."""
+    leg = receipt["observed"].get("prefill_leg_s")
+    terms = receipt["predicted"].get("terms") or {}
+    if leg is None or receipt["prefill"] == receipt["decode"] or terms.get("queue_s", 0.0) > 0:
+        return None
+    predicted = sum(terms.get(t, 0.0) for t in _LEG_TERMS)
+    return leg / predicted if predicted > 0 else None
 
 
 def render(name: str, s: dict[str, Any]) -> str:
@@ -86,6 +113,12 @@ def render(name: str, s: dict[str, Any]) -> str:
     if err["median"] is not None:
         spread = f"p10 {err['p10']:+.1f}, p90 {err['p90']:+.1f}"
         lines.append(f"  TTFT observed - predicted: median {err['median']:+.1f} ms ({spread})")
+    legs = s["split_leg_ratio"]
+    if legs["n"]:
+        spread = f"p90 {legs['p90']:.2f}, {legs['n']} legs"
+        lines.append(
+            f"  split prefill legs, observed ÷ predicted (no queue predicted): {legs['median']:.2f} ({spread})"
+        )
     lines.append(f"  decisions the runner-up would likely have beaten: {s['regret_candidates']}")
     return "\n".join(lines)
 
@@ -93,11 +126,15 @@ def render(name: str, s: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("paths", nargs="+", type=Path, help="receipts JSON-lines files")
+    parser.add_argument("--together", action="store_true", help="one summary of all the files (else one each)")
     args = parser.parse_args(argv)
     missing = [p for p in args.paths if not p.exists()]
     if missing:
         print(f"no such file: {', '.join(map(str, missing))}", file=sys.stderr)
         return 2
+    if args.together:
+        print(render(f"{len(args.paths)} files", summarize(load(args.paths))))
+        return 0
     for path in args.paths:
         print(render(str(path), summarize(load([path]))))
     return 0
