@@ -472,6 +472,24 @@ def test_a_split_answer_does_not_vouch_for_the_prefillers_hit() -> None:
     assert policy.calibrator.hit_ratio == 1.0
 
 
+def split_answer(
+    request_id: str, plan: RoutePlan, prompt: int, cached: int, after_leg: float, leg_cached: int | None = None
+) -> RouteOutcome:
+    """A split plan's outcome whose prefiller answered exactly when predicted, its first token
+    ``after_leg`` seconds later; ``cached``: the decode answer's cached tokens."""
+    leg = plan.breakdown["queue_s"] + plan.breakdown["prefill_s"]
+    return RouteOutcome(
+        request_id,
+        "m",
+        plan,
+        prompt_tokens=prompt,
+        cached_tokens=cached,
+        ttft_s=leg + after_leg,
+        prefill_leg_s=leg,
+        prefill_leg_cached_tokens=leg_cached,
+    )
+
+
 def test_split_answers_teach_the_handoff_its_real_length() -> None:
     """The decoder answered 30 ms later than the plan's handoff term said (its own step before the first
     token, say), every time: the learnt extra closes the gap; aggregated answers leave it alone."""
@@ -482,18 +500,7 @@ def test_split_answers_teach_the_handoff_its_real_length() -> None:
     configured = first.breakdown["handoff_s"]
     for i in range(40):
         plan = policy.choose(request(16000, request_id=f"r{i}"), ws)
-        leg = plan.breakdown["queue_s"] + plan.breakdown["prefill_s"]
-        policy.observe(
-            RouteOutcome(
-                f"r{i}",
-                "m",
-                plan,
-                prompt_tokens=16000,
-                cached_tokens=0,
-                ttft_s=leg + configured + 0.03,
-                prefill_leg_s=leg,
-            )
-        )
+        policy.observe(split_answer(f"r{i}", plan, 16000, cached=0, after_leg=configured + 0.03))
     learnt = policy.choose(request(16000, request_id="after"), ws).breakdown["handoff_s"]
     assert learnt == pytest.approx(configured + 0.03, rel=0.02)
     extra = policy.calibrator.handoff_extra_s("m")
@@ -523,10 +530,7 @@ def test_the_prefill_speed_of_a_split_plan_is_read_from_its_prefill_leg() -> Non
     before = policy.choose(request(16000), ws).breakdown["prefill_s"]
     for i in range(40):
         plan = policy.choose(request(16000, request_id=f"r{i}"), ws)
-        leg = plan.breakdown["queue_s"] + plan.breakdown["prefill_s"]
-        policy.observe(
-            RouteOutcome(f"r{i}", "m", plan, prompt_tokens=16000, cached_tokens=0, ttft_s=leg + 0.5, prefill_leg_s=leg)
-        )
+        policy.observe(split_answer(f"r{i}", plan, 16000, cached=0, after_leg=0.5))
     assert policy.choose(request(16000, request_id="after"), ws).breakdown["prefill_s"] == pytest.approx(
         before, rel=0.05
     )
@@ -551,19 +555,8 @@ def test_the_kv_a_decoder_pulled_is_not_taken_for_the_prefillers_hit() -> None:
                 RouteOutcome(f"w{i}", "m", plan, prompt_tokens=n, cached_tokens=0, ttft_s=plan.breakdown["total_s"])
             )
             plan = split.choose(request(n, request_id=f"s{i}"), split_pool)
-            leg = plan.breakdown["queue_s"] + plan.breakdown["prefill_s"]
-            split.observe(
-                RouteOutcome(
-                    f"s{i}",
-                    "m",
-                    plan,
-                    prompt_tokens=n,
-                    cached_tokens=n - 13,
-                    ttft_s=leg + plan.breakdown["handoff_s"],
-                    prefill_leg_s=leg,
-                    prefill_leg_cached_tokens=0 if leg_reports else None,
-                )
-            )
+            leg_cached = 0 if leg_reports else None
+            split.observe(split_answer(f"s{i}", plan, n, n - 13, plan.breakdown["handoff_s"], leg_cached=leg_cached))
         after = split.choose(request(16000, request_id="after"), split_pool).breakdown["prefill_s"]
         assert after == pytest.approx(before, rel=0.05)
         assert split.feedback.stale_decisions == 0
@@ -577,19 +570,7 @@ def test_the_prefill_leg_teaches_the_hit_ratio() -> None:
     for i in range(20):
         plan = policy.choose(request(16000, gpu("p0", 500), request_id=f"r{i}"), ws)
         assert plan.prefill == "p0" and plan.predicted_cached_tokens == 8000
-        leg = plan.breakdown["queue_s"] + plan.breakdown["prefill_s"]
-        policy.observe(
-            RouteOutcome(
-                f"r{i}",
-                "m",
-                plan,
-                prompt_tokens=16000,
-                cached_tokens=15987,
-                ttft_s=leg + plan.breakdown["handoff_s"],
-                prefill_leg_s=leg,
-                prefill_leg_cached_tokens=2000,
-            )
-        )
+        policy.observe(split_answer(f"r{i}", plan, 16000, 15987, plan.breakdown["handoff_s"], leg_cached=2000))
     assert policy.calibrator.hit_ratio < 0.6
     assert policy.feedback.stale_decisions == 20
 
