@@ -96,10 +96,11 @@ _LEG_TERMS = ("queue_s", "lookup_s", "transfer_s", "promotion_s", "prefill_s")
 
 def _leg_ratio(receipt: dict[str, Any]) -> float | None:
     """A split plan's prefill leg, observed ÷ predicted, when no queue was predicted before it (a queue's
-    error is the queue model's, not the prefill speed's); None for other receipts."""
+    error is the queue model's, not the prefill speed's); None for other receipts (only a split plan has a
+    prefill leg)."""
     leg = receipt["observed"].get("prefill_leg_s")
     terms = receipt["predicted"].get("terms") or {}
-    if leg is None or receipt["prefill"] == receipt["decode"] or terms.get("queue_s", 0.0) > 0:
+    if leg is None or terms.get("queue_s", 0.0) > 0:
         return None
     predicted = sum(terms.get(t, 0.0) for t in _LEG_TERMS)
     return leg / predicted if predicted > 0 else None
