@@ -37,7 +37,7 @@ import workloads
 from kvroute.experiment import FleetSpec, fleet_process
 from kvroute.report import pyplot, save_figure
 from loadgen import stream_once
-from peers import PEERS, ROUTERS, ensure_peer, router_names, router_process
+from peers import PEERS, ROUTERS, ensure_peer, router_names, router_of, router_process
 from peers_overhead import is_peer
 from procstat import tree_cpu_s
 
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    routers = [ROUTERS[name] for name in args.routers]
+    routers = [router_of(name) for name in args.routers]
     exes = {r.kind: ensure_peer(PEERS[r.kind], work) for r in routers if r.kind in PEERS}
     logs = work / f"runs-{time.strftime('%Y%m%d-%H%M%S')}"
     logs.mkdir()

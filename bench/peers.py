@@ -46,6 +46,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -106,6 +107,13 @@ class Router:
     #: "kvroute" or a key of PEERS.
     kind: str
     policy: str
+    #: kvroute's ``policy_options`` (a variant named ``kvaware[key=value;...]``, for A/B runs).
+    options: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def tag(self) -> str:
+        """The name as it appears in file names."""
+        return re.sub(r"[^A-Za-z0-9_.=-]+", "-", self.name).strip("-")
 
 
 ROUTERS = {
@@ -197,7 +205,7 @@ def peer_process(
     router: Router, exe: Path, config: dict[str, Any], workdir: Path, *, pd: bool = False
 ) -> Iterator[Running]:
     """The peer in front of the workers of ``config`` (a ``kvroute serve`` config), ready; stopped after."""
-    tag = router.name.replace(":", "-")
+    tag = router.tag
     port, metrics_port = free_port(), free_port()
     argv = peer_argv(router, exe, config, port, metrics_port, pd=pd)
     log = workdir / f"router-{tag}.log"
@@ -230,7 +238,9 @@ def router_process(
 ) -> contextlib.AbstractContextManager[Running]:
     """Any router of ROUTERS in front of the workers of ``config`` (peers from ``exes``, by kind)."""
     if router.kind == "kvroute":
-        return kvroute_process(router.policy, config, workdir)
+        if router.options:
+            config = {**config, "policy_options": dict(router.options)}
+        return kvroute_process(router.policy, config, workdir, tag=router.tag[len(router.policy) :])
     return peer_process(router, exes[router.kind], config, workdir)
 
 
@@ -246,7 +256,7 @@ def run_peer(
 ) -> PolicyRun:
     """A fresh fleet, the peer in front of it, the trace replayed through the peer; both stopped after.
     ``native_pd``: in a P/D fleet, a peer with a vLLM P/D mode uses it (else every worker is plain)."""
-    tag = router.name.replace(":", "-")
+    tag = router.tag
     with fleet_process(fleet, workdir, tag) as config:
         pd = native_pd and fleet.roles != "both"
         with peer_process(router, exe, config, workdir, pd=pd) as running:
@@ -432,6 +442,13 @@ def run_figures(run: PolicyRun, trace: Trace, fleet: FleetSpec, slo_ms: float) -
     to_ms = 1000.0 / fleet.time_scale
     ttft = [r.ttft_s * to_ms for r in ok if r.ttft_s is not None]
     e2e = [r.e2e_s * to_ms for r in ok if r.e2e_s is not None]
+    # Time per output token after the first: a prefill sharing a decoder's steps shows here (the sim stalls
+    # the streams decoding on a worker while it prefills, as vLLM's mixed steps do).
+    tpot = [
+        (r.e2e_s - r.ttft_s) * to_ms / (r.completion_tokens - 1)
+        for r in ok
+        if r.e2e_s is not None and r.ttft_s is not None and r.completion_tokens > 1
+    ]
     per_worker = [
         metric_total(metric_samples(page), "vllm:prompt_tokens_total") for page in run.worker_metrics.values()
     ]
@@ -464,6 +481,8 @@ def run_figures(run: PolicyRun, trace: Trace, fleet: FleetSpec, slo_ms: float) -
         floor_p99_ms=percentile(floors, 99) or math.nan,
         e2e_p50_ms=percentile(e2e, 50) or math.nan,
         e2e_p99_ms=percentile(e2e, 99) or math.nan,
+        tpot_p50_ms=percentile(tpot, 50) or math.nan,
+        tpot_p99_ms=percentile(tpot, 99) or math.nan,
         answered=len(ok),
         prefill_saved_ratio=saved / prompt if prompt else 0.0,
         duration_s=run.report.duration_s,
@@ -489,6 +508,8 @@ METRICS = (
     "floor_p99_ms",
     "e2e_p50_ms",
     "e2e_p99_ms",
+    "tpot_p50_ms",
+    "tpot_p99_ms",
     "goodput",
     "cached_token_ratio",
     "prefill_saved_ratio",
@@ -504,7 +525,7 @@ METRICS = (
     "hop_matched",
 )
 #: Lower is better for these; higher for the rest of RATIOS.
-LOWER = {"ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "e2e_p50_ms"}
+LOWER = {"ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "e2e_p50_ms", "tpot_p99_ms"}
 RATIOS = ("ttft_p50_ms", "ttft_p99_ms", "goodput", "cached_token_ratio")
 
 
@@ -525,7 +546,7 @@ def add_ratios(cells: list[dict[str, Any]]) -> None:
     for c in cells:
         by_case.setdefault((c["trace"], c["regime"]), []).append(c)
     for group in by_case.values():
-        peers = [c for c in group if ROUTERS[c["router"]].kind != "kvroute"]
+        peers = [c for c in group if router_of(c["router"]).kind != "kvroute"]
         for c in group:
             pool = peers or [o for o in group if o is not c]
             c["reference"] = "best peer" if peers else "best other router"
@@ -566,20 +587,22 @@ def hop_markdown(cells: list[dict[str, Any]]) -> str:
 def markdown(cells: list[dict[str, Any]], regime: Regime, native_pd: bool = True) -> str:
     pd = regime.roles != "both"
     head = ["trace", "router"] + (["P/D use"] if pd else [])
-    head += ["TTFT p50 ms", "TTFT p90 ms", "TTFT p99 ms", "p99 floor ms", "e2e p50 ms", "goodput", "cached"]
+    head += ["TTFT p50 ms", "TTFT p90 ms", "TTFT p99 ms", "p99 floor ms", "e2e p50 ms", "TPOT p99 ms", "goodput"]
+    head += ["cached"]
     head += ["prefill saved"]
     head += ["÷ oracle", "errors", "p50 / p99 vs ref"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c in cells:
         ratios = c.get("ratios", {})
         vs = " / ".join(f"{ratios[k]:.2f}x" if k in ratios else "-" for k in ("ttft_p50_ms", "ttft_p99_ms"))
-        row = [c["trace"], c["router"]] + ([peer_mode(ROUTERS[c["router"]], native_pd)] if pd else [])
+        row = [c["trace"], c["router"]] + ([peer_mode(router_of(c["router"]), native_pd)] if pd else [])
         row += [
             _spread(c, "ttft_p50_ms", "{:.0f}"),
             _spread(c, "ttft_p90_ms", "{:.0f}"),
             _spread(c, "ttft_p99_ms", "{:.0f}"),
             _spread(c, "floor_p99_ms", "{:.0f}"),
             _spread(c, "e2e_p50_ms", "{:.0f}"),
+            _spread(c, "tpot_p99_ms", "{:.1f}"),
             _spread(c, "goodput", "{:.0%}"),
             _spread(c, "cached_token_ratio", "{:.0%}"),
             _spread(c, "prefill_saved_ratio", "{:.0%}"),
@@ -638,13 +661,30 @@ def _csv(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
+def router_of(name: str) -> Router:
+    """A name of ROUTERS, or a kvroute router with policy options: ``kvaware[decode_stall_weight=0;...]``
+    (values read as YAML), to measure a variant beside the default in the same run."""
+    if name in ROUTERS:
+        return ROUTERS[name]
+    base, _, rest = name.partition("[")
+    known = ROUTERS.get(base)
+    if known is None or known.kind != "kvroute" or not rest.endswith("]"):
+        raise SystemExit(f"unknown router {name!r}; known: {', '.join(ROUTERS)} (kvroute ones take [key=value;...])")
+    options = []
+    for pair in filter(None, rest[:-1].split(";")):
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise SystemExit(f"router {name!r}: {pair!r} is not key=value")
+        options.append((key.strip(), yaml.safe_load(value)))
+    return Router(name, known.kind, known.policy, tuple(options))
+
+
 def router_names(text: str | None, default: Sequence[str]) -> list[str]:
-    """A ``--routers`` option: comma-separated names of ROUTERS (``default`` when empty); exits naming an
-    unknown one."""
+    """A ``--routers`` option: comma-separated names of ROUTERS or kvroute variants (``default`` when empty);
+    exits naming an unknown one."""
     names = _csv(text or ",".join(default))
     for name in names:
-        if name not in ROUTERS:
-            raise SystemExit(f"unknown router {name!r}; known: {', '.join(ROUTERS)}")
+        router_of(name)
     return names
 
 
@@ -717,7 +757,7 @@ def run_one(
     """One router on a fresh fleet: its figures, or ``failed`` after ``--retries`` more tries (a router
     that does not start is retried, so one bad start does not leave a hole in a long run)."""
     error = ""
-    hop_path = workdir / f"hops-{router.name.replace(':', '-')}.log"
+    hop_path = workdir / f"hops-{router.tag}.log"
     for attempt in range(1 + args.retries):
         progress = Progress(label, trace.n_requests)
         hop_path.unlink(missing_ok=True)
@@ -725,17 +765,25 @@ def run_one(
             os.environ[HOP_LOG_ENV] = str(hop_path)  # read by the fleet's workers, started below
         try:
             if router.kind == "kvroute":
-                receipts_path = workdir / f"receipts-{router.policy}.jsonl"
+                receipts_path = workdir / f"receipts-{router.tag}.jsonl"
                 receipts_path.unlink(missing_ok=True)  # a retried run starts its receipts over
                 config = {"pool": {"kv_protocol": regime.kv_protocol}, "receipts_path": str(receipts_path)}
-                run = run_policy(router.policy, trace, fleet, workdir=workdir, router_config=config, on_result=progress)
+                run = run_policy(
+                    router.policy,
+                    trace,
+                    fleet,
+                    workdir=workdir,
+                    router_config=config,
+                    on_result=progress,
+                    policy_options=dict(router.options) or None,
+                )
                 explained = receipt_summary(load_receipts([receipts_path])) if receipts_path.exists() else None
             else:
                 exe = exes[router.kind]
                 run = run_peer(router, exe, trace, fleet, workdir=workdir, on_result=progress, native_pd=args.peer_pd)
                 explained = None
             progress.finish()
-            save_requests(run, workdir / f"requests-{router.name.replace(':', '-')}.jsonl")
+            save_requests(run, workdir / f"requests-{router.tag}.jsonl")
             figs = {**run_figures(run, trace, fleet, args.slo_ms), "attempts": attempt + 1}
             if explained is not None:
                 figs["receipts"] = explained
@@ -829,7 +877,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     logs = Path(tempfile.mkdtemp(prefix="runs-", dir=work))
-    routers = [ROUTERS[name] for name in args.routers]
+    routers = [router_of(name) for name in args.routers]
     exes = {kind: ensure_peer(PEERS[kind], work) for kind in dict.fromkeys(r.kind for r in routers) if kind in PEERS}
     specs = select_traces(args.traces, trace_specs(args))
     regimes = [REGIMES[name] for name in args.regimes]

@@ -63,7 +63,7 @@ import workloads
 from kvroute.experiment import FleetSpec, fleet_process
 from kvroute.report import pyplot, save_figure
 from loadgen import Stats, closed_loop, latency_stats, stream_once
-from peers import PEERS, ROUTERS, Router, ensure_peer, kvroute_process, router_names, router_process
+from peers import PEERS, ROUTERS, Router, ensure_peer, kvroute_process, router_names, router_of, router_process
 from procstat import tree_cpu_s
 
 DEFAULT_ROUTERS = ("kvaware", "round_robin", "smg:cache_aware", "vllm-router:cache_aware")
@@ -255,7 +255,7 @@ def profile_router(
     target = args.profile_router
     slug = scenario.name.replace(" ", "-")
     raw = workdir / f"profile-{target}-{slug}.raw"
-    with router_process(ROUTERS[target], config, workdir, {}) as running:
+    with router_process(router_of(target), config, workdir, {}) as running:
         measure(running.base, scenario, model, f"profile/{slug}/warm-up", args)
         argv = [spy, "record", "--pid", str(running.pid), "--format", "raw", "--function", "--rate", "500"]
         spy_proc = subprocess.Popen([*argv, "-o", str(raw)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -324,7 +324,7 @@ BASELINE = "kvaware@baseline"
 
 
 def is_peer(name: str) -> bool:
-    return name not in (DIRECT, BASELINE) and ROUTERS[name].kind != "kvroute"
+    return name not in (DIRECT, BASELINE) and router_of(name).kind != "kvroute"
 
 
 def add_ratios(cells: list[dict[str, Any]]) -> None:
@@ -532,7 +532,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     logs = Path(tempfile.mkdtemp(prefix="runs-", dir=work))
-    routers: list[Router] = [ROUTERS[name] for name in args.routers]
+    routers: list[Router] = [router_of(name) for name in args.routers]
     exes = {r.kind: ensure_peer(PEERS[r.kind], work) for r in routers if r.kind in PEERS}
     names = [DIRECT, *args.routers, *([BASELINE] if args.baseline else [])]
     scens = scenarios(args)
@@ -564,7 +564,7 @@ def main(argv: list[str] | None = None) -> int:
             pids: dict[str, int] = {}
             for name in args.routers:
                 try:
-                    started = stack.enter_context(router_process(ROUTERS[name], config, logs, exes))
+                    started = stack.enter_context(router_process(router_of(name), config, logs, exes))
                     bases[name], pids[name] = started.base, started.pid
                 except Exception as exc:  # a router that does not start must not lose the others
                     error = f"{type(exc).__name__}: {exc}"[:2000]

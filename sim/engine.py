@@ -138,6 +138,10 @@ class Engine:
         self.recompute_decisions = 0
         self._queue: deque[_Admission] = deque()
         self._gpu_free_at = 0.0
+        #: The prefills scheduled on this GPU, ``(start, end)`` in order. vLLM runs a worker's decodes in
+        #: the same steps as its prefills, so a decode step that falls in one lasts until it ends: a
+        #: prefill on a worker stalls every stream decoding there (what P/D disaggregation avoids).
+        self._prefills: deque[tuple[float, float]] = deque()
 
     @property
     def waiting(self) -> int:
@@ -341,6 +345,8 @@ class Engine:
         start = max(ready, self._gpu_free_at)
         end = start + self.opts.scaled(work)
         self._gpu_free_at = end
+        if end > start:
+            self._prefills.append((start, end))
         await asyncio.sleep(end - loop.time())
         if adm.n_cpu:
             self.cache.touch_cpu(adm.hashes[adm.n_gpu : adm.n_gpu + adm.n_cpu])
@@ -377,9 +383,18 @@ class Engine:
 
     async def _decode(self, req: EngineRequest) -> AsyncGenerator[int, None]:
         chunk = self.opts.stream_chunk_s if req.stream else self.opts.batch_chunk_s
+        loop = asyncio.get_running_loop()
         self.decoding += 1
         try:
             while req.output_tokens < req.max_tokens:
+                now = loop.time()
+                joined = self._prefill_ending(now)
+                if joined is not None:  # this step is a prefill's too: its token comes when that ends
+                    await asyncio.sleep(joined - now)
+                    self.metrics.decode_stall.inc(joined - now)
+                    req.output_tokens += 1
+                    yield 1
+                    continue
                 step = self.opts.scaled(decode_step_seconds(self.preset, self.decoding))
                 k = max(1, int(chunk / step)) if step > 0 else req.max_tokens
                 k = min(k, req.max_tokens - req.output_tokens)
@@ -388,6 +403,15 @@ class Engine:
                 yield k
         finally:
             self.decoding -= 1
+
+    def _prefill_ending(self, now: float) -> float | None:
+        """The end of the prefill running on this GPU at ``now``, if one is."""
+        prefills = self._prefills
+        while prefills and prefills[0][1] <= now:
+            prefills.popleft()
+        if prefills and prefills[0][0] <= now:
+            return prefills[0][1]
+        return None
 
     def _store_output(
         self, req: EngineRequest, alloc: Allocation, hashes: list[BlockHash], offload_blocks: int | None

@@ -153,6 +153,11 @@ class MetricFamilies:
         self.promoted_blocks = Counter(
             "kvroute_sim:cpu_promoted_blocks", "CPU-tier blocks promoted to GPU.", registry=reg
         )
+        self.decode_stall = Counter(
+            "kvroute_sim:decode_stall_seconds",
+            "Time decode streams waited for a prefill sharing their step (per stream, scaled real seconds).",
+            registry=reg,
+        )
 
     def admission_rejected(self, reason: str) -> None:
         """``vllm:admission_rejections_total{model_name, reason}`` (the API server's, not per rank)."""
@@ -215,6 +220,7 @@ class SimMetrics:
         self.ttft = fam.ttft.labels(**labels)
         self.e2e = fam.e2e.labels(**labels)
         self.promoted_blocks = fam.promoted_blocks
+        self.decode_stall = fam.decode_stall
 
     def cache_hits(self, *, device: int, host: int, p2p: int) -> None:
         """One request's cached prompt tokens by the tier that supplied them (at admission, as vLLM)."""

@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
 import paired  # noqa: E402
+import peers  # noqa: E402
 import workloads  # noqa: E402
 
 
@@ -141,18 +142,33 @@ def test_chat_and_sizing_helpers() -> None:
     assert workloads.prompt_tokens(trace) > 0
 
 
+def test_a_kvroute_router_takes_policy_options_by_name() -> None:
+    plain = peers.router_of("kvaware")
+    assert plain.options == () and plain.tag == "kvaware"
+    variant = peers.router_of("kvaware[decode_stall_weight=0; affinity_by_load=false]")
+    assert (variant.kind, variant.policy) == ("kvroute", "kvaware")
+    assert dict(variant.options) == {"decode_stall_weight": 0, "affinity_by_load": False}
+    assert variant.tag == "kvaware-decode_stall_weight=0-affinity_by_load=false"
+    assert peers.router_of("smg:cache_aware").tag == "smg-cache_aware"
+    for bad in ("smg:cache_aware[x=1]", "kvaware[decode_stall_weight]", "kvaware[x=1", "nope"):
+        with pytest.raises(SystemExit):
+            peers.router_of(bad)
+
+
 # -- the harness end to end -------------------------------------------------------------------------------------------
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def _run_peers(work: Path, traces: str, regimes: str, *extra: str) -> dict[tuple[str, str, str], Any]:
+def _run_peers(
+    work: Path, traces: str, regimes: str, *extra: str, routers: str = "kvaware,round_robin"
+) -> dict[tuple[str, str, str], Any]:
     done = subprocess.run(
         [
             sys.executable,
             str(ROOT / "bench" / "peers.py"),
             "--routers",
-            "kvaware,round_robin",
+            routers,
             "--seeds",
             "0",
             "--requests",
@@ -190,10 +206,16 @@ def test_peers_bench_runs_every_cell_with_kvroute_routers(tmp_path: Path) -> Non
     traces = ("mooncake", "shared_prefix@16", "agentic", "chat")
     regimes = ("light", "pressure", "tiered", "pd")
     cells = _run_peers(tmp_path / "a", "mooncake,shared_prefix,agentic,chat", "light,pd")
-    cells.update(_run_peers(tmp_path / "b", "mooncake", "pressure,tiered", "--hops"))
+    variant = "kvaware[affinity_weight=0;decode_stall_weight=0.5]"
+    cells.update(_run_peers(tmp_path / "b", "mooncake", "pressure,tiered", "--hops", routers=f"kvaware,{variant}"))
     expected = {(t, g, r) for t in traces for g in ("light", "pd") for r in ("kvaware", "round_robin")}
-    expected |= {("mooncake", g, r) for g in ("pressure", "tiered") for r in ("kvaware", "round_robin")}
+    expected |= {("mooncake", g, r) for g in ("pressure", "tiered") for r in ("kvaware", variant)}
     assert set(cells) == expected
+    # A variant is kvaware with those options, its files named after it.
+    run_dir = next((tmp_path / "b").glob("runs-*/mooncake-pressure-0"))
+    tag = "kvaware-affinity_weight=0-decode_stall_weight=0.5"
+    assert (run_dir / f"receipts-{tag}.jsonl").stat().st_size > 0
+    assert (run_dir / f"requests-{tag}.jsonl").stat().st_size > 0
     for cell in cells.values():
         med = cell["median"]
         assert med["answered"] == med["requests"] > 0 and med["errors"] == 0
@@ -202,6 +224,7 @@ def test_peers_bench_runs_every_cell_with_kvroute_routers(tmp_path: Path) -> Non
         # The floor is the engine's prefill of what no cache could hold: no run is below it.
         assert 0 < med["floor_p50_ms"] <= med["floor_p99_ms"] <= med["ttft_p99_ms"]
         assert med["floor_p50_ms"] <= med["ttft_p50_ms"]
+        assert 0 < med["tpot_p50_ms"] <= med["tpot_p99_ms"]
     # Cached tokens are counted from usage wherever a prompt repeats a prefix.
     for trace in traces:
         assert cells[(trace, "light", "kvaware")]["median"]["cached_tokens"] > 0

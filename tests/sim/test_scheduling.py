@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 from typing import Any
 
 import httpx
@@ -99,3 +100,46 @@ async def test_blocks_whose_prefill_is_abandoned_are_computed_by_the_request_wai
     assert answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     await _until(lambda: w.engine.running == 0)
     assert w.engine.pending == {} and w.engine.cache.usage() == 0
+
+
+async def _stream_gaps(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any], started: asyncio.Event
+) -> list[float]:
+    """Seconds between a stream's consecutive chunks (``started`` is set at its first token)."""
+    loop = asyncio.get_running_loop()
+    stamps: list[float] = []
+    async with client.stream("POST", url, json={**body, "stream": True}) as r:
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                stamps.append(loop.time())
+                started.set()
+    return [b - a for a, b in itertools.pairwise(stamps)]
+
+
+async def _stall_seconds(client: httpx.AsyncClient, url: str) -> float:
+    text = (await client.get(f"{url}/metrics")).text
+    line = next(ln for ln in text.splitlines() if ln.startswith("kvroute_sim:decode_stall_seconds_total"))
+    return float(line.split()[-1])
+
+
+async def test_a_prefill_stalls_the_streams_decoding_on_its_worker_only(make_fleet: Any, client: Any) -> None:
+    # vLLM steps a worker's decodes together with its prefills: a 0.5 s prefill holds back the next token of
+    # every stream decoding there (what P/D disaggregation is for), and no stream on another worker.
+    fleet = await make_fleet(2, time_scale=1.0, preset_overrides=SLOW_PREFILL)
+    here, there = fleet[0], fleet[1]
+    decode = {"prompt": words(4, "d-"), "max_tokens": 3000}  # ~3 s of 1 ms steps
+    started = asyncio.Event()
+    stream = asyncio.create_task(_stream_gaps(client, f"{here.url}/v1/completions", decode, started))
+    await asyncio.wait_for(started.wait(), 10)
+    same = await client.post(f"{here.url}/v1/completions", json={"prompt": words(200, "y-"), "max_tokens": 1})
+    assert same.status_code == 200
+    stalled = await _stall_seconds(client, here.url)
+    assert 0.0 < stalled <= 0.5 + 1e-6
+    elsewhere = await client.post(f"{there.url}/v1/completions", json={"prompt": words(200, "x-"), "max_tokens": 1})
+    assert elsewhere.status_code == 200
+    assert not stream.done(), "the stream outlasts both prefills"
+    assert await _stall_seconds(client, here.url) == stalled
+    gaps = await stream
+    # The prefill of 200 tokens at 400 tokens/s is modelled as 0.5 s: no token of the stream comes meanwhile.
+    assert max(gaps) >= 0.45
+    assert await _stall_seconds(client, there.url) == 0.0
