@@ -88,6 +88,10 @@ class CostParams:
     #: the workers already draw keeps one worker from collecting the popular ones (its hits then queue
     #: behind its prefills), which the in-flight count of the moment, the tie-break before, did not.
     traffic_window_s: float = 30.0
+    #: Count each request in that traffic by the KV blocks it adds (the blocks it needs beyond its GPU
+    #: hits) instead of as one: new prefixes then spread by the cache space they take, as a text tree's
+    #: "smallest tree" does, so no worker evicts its prefixes for the others' long ones.
+    traffic_by_blocks: bool = False
     #: TTFT added per request already outstanding on a separate decode worker.
     decode_queue_s_per_request: float = 0.001
     #: The pool's protocol (router config pool.kv_protocol): P2P sources need "p2p",
@@ -138,7 +142,7 @@ class CostParams:
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
-        for flag in ("pd_local_prefill", "pd_prefill_decodes", "affinity_by_load"):
+        for flag in ("pd_local_prefill", "pd_prefill_decodes", "affinity_by_load", "traffic_by_blocks"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be true or false, got {getattr(self, flag)!r}")
         if self.bytes_per_token <= 0:

@@ -65,9 +65,9 @@ class DecayedCounts(Generic[K]):
         order = self._orders.get(key)
         return 0.0 if order is None else math.exp(order - now / self.window_s)
 
-    def add(self, key: K, now: float) -> None:
+    def add(self, key: K, now: float, weight: float = 1.0) -> None:
         orders = self._orders
-        order = math.log(self.count(key, now) + 1.0) + now / self.window_s
+        order = math.log(self.count(key, now) + weight) + now / self.window_s
         orders.pop(key, None)
         orders[key] = order
         if self.max_keys is not None:
@@ -96,6 +96,7 @@ class QueueModel:
         "_replays",
         "_still_there",
         "_traffic",
+        "_traffic_by_blocks",
         "_unknown_running_weight",
     )
 
@@ -108,6 +109,7 @@ class QueueModel:
         self._default_hold_s = params.default_hold_s
         self._still_there = params.still_there
         self._kv_pressure_decay = params.kv_pressure_decay
+        self._traffic_by_blocks = params.traffic_by_blocks
         #: Per worker: the requests this policy sent there, oldest first, until their outcome is observed:
         #: a virtual FIFO queue for the queue term, and the blocks they hold for the KV-space term.
         self._pending: dict[str, OrderedDict[str, Pending]] = {}
@@ -129,7 +131,7 @@ class QueueModel:
     def sent(self, worker_id: str, request_id: str, service_s: float, blocks: int) -> None:
         """``choose`` sent a request to ``worker_id``: it joins that worker's replay."""
         now = self._calibrator.now()
-        self._traffic.add(worker_id, now)
+        self._traffic.add(worker_id, now, max(1, blocks) if self._traffic_by_blocks else 1.0)
         pending = self._pending.setdefault(worker_id, OrderedDict())
         pending[request_id] = (now, service_s, blocks)
         while len(pending) > self._max_pending:
