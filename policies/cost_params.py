@@ -88,10 +88,11 @@ class CostParams:
     #: the workers already draw keeps one worker from collecting the popular ones (its hits then queue
     #: behind its prefills), which the in-flight count of the moment, the tie-break before, did not.
     traffic_window_s: float = 30.0
-    #: Count each request in that traffic by the KV blocks it adds (the blocks it needs beyond its GPU
-    #: hits) instead of as one: new prefixes then spread by the cache space they take, as a text tree's
-    #: "smallest tree" does, so no worker evicts its prefixes for the others' long ones.
-    traffic_by_blocks: bool = False
+    #: How much of that traffic is counted by the KV blocks each request adds (beyond its GPU hits, relative
+    #: to the mean request's) rather than one per request: 0 counts requests (where the hits of popular
+    #: prefixes go), 1 counts cache space taken (as a text tree's "smallest tree" does, so that no worker
+    #: evicts its prefixes for the others' long ones), between blends the two.
+    traffic_blocks_share: float = 0.0
     #: TTFT added per request already outstanding on a separate decode worker.
     decode_queue_s_per_request: float = 0.001
     #: The pool's protocol (router config pool.kv_protocol): P2P sources need "p2p",
@@ -139,14 +140,17 @@ class CostParams:
             "pd_split_threshold_tokens",
             "decode_stall_weight",
             "kv_recompute_threshold",
+            "traffic_blocks_share",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
-        for flag in ("pd_local_prefill", "pd_prefill_decodes", "affinity_by_load", "traffic_by_blocks"):
+        for flag in ("pd_local_prefill", "pd_prefill_decodes", "affinity_by_load"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be true or false, got {getattr(self, flag)!r}")
         if self.bytes_per_token <= 0:
             raise ValueError("bytes_per_token must be > 0")
+        if self.traffic_blocks_share > 1:
+            raise ValueError(f"traffic_blocks_share must be within [0, 1], got {self.traffic_blocks_share!r}")
         if self.kv_protocol not in _PROTOCOLS:
             raise ValueError(f"kv_protocol must be {'|'.join(_PROTOCOLS)}, got {self.kv_protocol!r}")
         if self.max_sources < 0 or self.explain_limit < 1 or self.max_pending < 0:

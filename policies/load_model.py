@@ -90,13 +90,14 @@ class QueueModel:
         "_hold_s",
         "_kv_pressure_decay",
         "_max_pending",
+        "_mean_blocks",
         "_parallelism",
         "_pending",
         "_prefix_users",
         "_replays",
         "_still_there",
         "_traffic",
-        "_traffic_by_blocks",
+        "_traffic_blocks_share",
         "_unknown_running_weight",
     )
 
@@ -109,7 +110,9 @@ class QueueModel:
         self._default_hold_s = params.default_hold_s
         self._still_there = params.still_there
         self._kv_pressure_decay = params.kv_pressure_decay
-        self._traffic_by_blocks = params.traffic_by_blocks
+        self._traffic_blocks_share = params.traffic_blocks_share
+        #: EWMA of the KV blocks a routed request adds (the scale of ``traffic_blocks_share``'s weights).
+        self._mean_blocks = 0.0
         #: Per worker: the requests this policy sent there, oldest first, until their outcome is observed:
         #: a virtual FIFO queue for the queue term, and the blocks they hold for the KV-space term.
         self._pending: dict[str, OrderedDict[str, Pending]] = {}
@@ -131,12 +134,24 @@ class QueueModel:
     def sent(self, worker_id: str, request_id: str, service_s: float, blocks: int) -> None:
         """``choose`` sent a request to ``worker_id``: it joins that worker's replay."""
         now = self._calibrator.now()
-        self._traffic.add(worker_id, now, max(1, blocks) if self._traffic_by_blocks else 1.0)
+        self._traffic.add(worker_id, now, self._traffic_weight(blocks))
         pending = self._pending.setdefault(worker_id, OrderedDict())
         pending[request_id] = (now, service_s, blocks)
         while len(pending) > self._max_pending:
             pending.popitem(last=False)
         self._replays.pop(worker_id, None)
+
+    def _traffic_weight(self, blocks: int) -> float:
+        """One request's count in the traffic: 1, or (``traffic_blocks_share``) partly its blocks relative to
+        the mean request's, so the counts keep the scale of requests whatever the prompts' length."""
+        share = self._traffic_blocks_share
+        if share <= 0:
+            return 1.0
+        blocks = max(1, blocks)
+        mean = self._mean_blocks
+        mean = blocks if mean <= 0 else mean + 0.05 * (blocks - mean)
+        self._mean_blocks = mean
+        return (1.0 - share) + share * blocks / mean
 
     def handing_off(self, decoder: str, request_id: str, arrives_in_s: float) -> None:
         """``choose`` split a request: its KV reaches ``decoder`` in about ``arrives_in_s``."""

@@ -70,12 +70,12 @@ def test_a_new_prefix_goes_to_the_worker_that_drew_the_least_traffic_lately() ->
     assert policy.queue.traffic("w0", clock[0] + 600) < 1e-8  # twenty windows later: forgotten
 
 
-def test_with_traffic_by_blocks_new_prefixes_spread_by_the_cache_space_they_take() -> None:
+def test_traffic_counted_by_blocks_spreads_new_prefixes_by_the_cache_space_they_take() -> None:
     """One long prompt on w0 against three short ones on w1: by requests w1 drew more, by the KV blocks
     they added w0 did, and the next new prefix goes where it evicts the least."""
-    for by_blocks, expected in ((False, "w0"), (True, "w1")):
+    for share, expected in ((0.0, "w0"), (1.0, "w1")):
         clock = [0.0]
-        policy = kvaware(now=lambda c=clock: c[0], traffic_by_blocks=by_blocks)
+        policy = kvaware(now=lambda c=clock: c[0], traffic_blocks_share=share)
         ws = workers(2)
         sent = [("long", 8000, "w0")] + [(f"short{i}", 64, "w1") for i in range(3)]
         for rid, tokens, holder in sent:  # each lands where its prefix is, answered before the next
@@ -85,7 +85,9 @@ def test_with_traffic_by_blocks_new_prefixes_spread_by_the_cache_space_they_take
             policy.observe(RouteOutcome(rid, "m", plan, prompt_tokens=tokens, cached_tokens=16, ttft_s=0.01))
         clock[0] += 1.0
         assert policy.choose(request(2000, request_id="fresh"), ws).prefill == expected
-    assert kvaware(traffic_by_blocks=True).queue.traffic("w0", 0.0) == 0.0
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError, match="traffic_blocks_share"):
+            kvaware(traffic_blocks_share=bad)
 
 
 def test_p2p_source_when_fetching_beats_recomputing() -> None:
