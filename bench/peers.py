@@ -784,7 +784,8 @@ def run_one(
                 explained = None
             progress.finish()
             save_requests(run, workdir / f"requests-{router.tag}.jsonl")
-            figs = {**run_figures(run, trace, fleet, args.slo_ms), "attempts": attempt + 1}
+            # The router as named (a kvroute variant runs its base policy, under the variant's name).
+            figs = {**run_figures(run, trace, fleet, args.slo_ms), "router": router.name, "attempts": attempt + 1}
             if explained is not None:
                 figs["receipts"] = explained
             if args.hops:
