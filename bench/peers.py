@@ -801,28 +801,42 @@ def run_one(
     return {"failed": error}
 
 
-def hop_split(results: Sequence[RequestResult], hop_path: Path) -> dict[str, float]:
-    """Per request, the client's time to first token in three hops (real ms, medians over the requests):
-    client to engine (the router's way in, its decision included), engine (queue, prefill, the first
-    token's write), engine to client (the router's way back). The engines' side is the workers' hop log
-    (``kvroute.sim.hop_log``); a request is matched by its prompt key and, where the key was sent more than
-    once, by the latest arrival before the engine saw it. P/D plans: the decode leg's arrival counts."""
+def hop_arrivals(hop_path: Path) -> dict[int, list[tuple[float, float]]]:
+    """The workers' hop log (``kvroute.sim.hop_log``): per prompt key, each (arrival, first token out)."""
     arrivals: dict[int, list[tuple[float, float]]] = {}
     if hop_path.exists():
         for line in hop_path.read_text().splitlines():
             key, arrival, first = line.split()
             arrivals.setdefault(int(key), []).append((float(arrival), float(first)))
+    return arrivals
+
+
+def request_hops(
+    arrivals: dict[int, list[tuple[float, float]]], prompt_key: int, sent_at: float, first_at: float | None
+) -> tuple[float, float, float] | None:
+    """One request's (client to engine, engine, engine to client) in real ms, or None when unmatched: by its
+    prompt key and, where the key was sent more than once, the latest arrival before the engine saw it."""
+    if first_at is None:
+        return None
+    seen = [a for a in arrivals.get(prompt_key, ()) if sent_at <= a[0] <= a[1] <= first_at]
+    if not seen:
+        return None
+    arrival, first = max(seen)
+    return (arrival - sent_at) * 1e3, (first - arrival) * 1e3, (first_at - first) * 1e3
+
+
+def hop_split(results: Sequence[RequestResult], hop_path: Path) -> dict[str, float]:
+    """Per request, the client's time to first token in three hops (real ms, medians over the requests):
+    client to engine (the router's way in, its decision included), engine (queue, prefill, the first
+    token's write), engine to client (the router's way back), matched by :func:`request_hops`. P/D plans:
+    the decode leg's arrival counts."""
+    arrivals = hop_arrivals(hop_path)
     hops: dict[str, list[float]] = {"forward": [], "engine": [], "return": []}
     for r in results:
-        if r.first_at is None:
-            continue
-        seen = [a for a in arrivals.get(r.prompt_key, ()) if r.sent_at <= a[0] <= a[1] <= r.first_at]
-        if not seen:
-            continue
-        arrival, first = max(seen)
-        hops["forward"].append((arrival - r.sent_at) * 1e3)
-        hops["engine"].append((first - arrival) * 1e3)
-        hops["return"].append((r.first_at - first) * 1e3)
+        split = request_hops(arrivals, r.prompt_key, r.sent_at, r.first_at)
+        if split is not None:
+            for name, value in zip(hops, split, strict=True):
+                hops[name].append(value)
     if not hops["forward"]:
         return {}
     return {f"hop_{name}_ms": statistics.median(values) for name, values in hops.items()} | {

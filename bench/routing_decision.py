@@ -7,8 +7,8 @@ Prints p50/p99 microseconds per ``choose()`` with the ratio to ``round_robin`` (
 policy), the time to tokenize each turn of a growing chat with the prefix cache vs a full encode, and the
 whole decision (tokens -> keys -> lookup -> plan) for an "incremental 32k" prompt: sessions whose prompt
 is ~32k tokens and extends the session's previous prompt by ~200 tokens (completions with the local BPE,
-chat with its ChatML template, completions with the simulated workers' built-in tokenizer), with a
-cProfile of the decision (``--profile``).
+chat with its ChatML template, completions and agent-turn chats with the simulated workers' built-in
+tokenizer and template), with a cProfile of the decision (``--profile``).
 Not a test: numbers depend on the machine; ratios are what to compare.
 """
 
@@ -190,10 +190,14 @@ async def _decision_setup(
 class _Case:
     """One incremental path: sessions whose prompt (or conversation) grows by ~``grow_words`` each turn."""
 
-    def __init__(self, path: str, source: Any, rng: random.Random, sessions: int, start_words: int) -> None:
+    def __init__(
+        self, path: str, source: Any, rng: random.Random, sessions: int, start_words: int, pairs: bool = False
+    ) -> None:
         self.path = path
         self.source = source
         self.chat = path.startswith("chat")
+        #: A chat grows as an agent's does: an answer and the next user message per turn (else one message).
+        self.pairs = pairs
         self.rng = rng
         self.texts = [_text(rng, start_words) for _ in range(sessions)]
         self.chats: list[list[dict[str, str]]] = [[{"role": "system", "content": t}] for t in self.texts]
@@ -211,7 +215,10 @@ class _Case:
         return list(await self.source.prompt_tokens(self.texts[s]))
 
     def grow(self, s: int, words: int) -> None:
-        if self.chat:
+        if self.chat and self.pairs:
+            self.chats[s].append({"role": "assistant", "content": _text(self.rng, words // 2)})
+            self.chats[s].append({"role": "user", "content": _text(self.rng, words - words // 2)})
+        elif self.chat:
             role = "assistant" if self.chats[s][-1]["role"] == "user" else "user"
             self.chats[s].append({"role": role, "content": _text(self.rng, words)})
         else:
@@ -284,11 +291,13 @@ def bench_incremental(prompt_tokens: int, iters: int, n_workers: int, profile: b
                 ("completion (local BPE)", local, per_word),
                 ("chat (local BPE, ChatML)", local, per_word),
                 ("completion (sim built-in)", sim, 1.0),
+                ("chat (sim built-in, agent turns)", sim, 1.0),
             )
         ):
             # Start so that the median prompt is prompt_tokens long.
-            start_words = int((prompt_tokens - rounds * grow_words * tokens_per_word / 2) / tokens_per_word)
-            case = _Case(path, source, random.Random(100 + n), sessions, start_words)
+            # (At least a few blocks' worth: a small --prompt-tokens with many --iters grows past it anyway.)
+            start_words = max(64, int((prompt_tokens - rounds * grow_words * tokens_per_word / 2) / tokens_per_word))
+            case = _Case(path, source, random.Random(100 + n), sessions, start_words, pairs="agent" in path)
             state = case.snapshot()
             samples = asyncio.run(_run_case(case, rounds, n_workers, grow_words, None))
             if profile:  # a second, profiled pass over the same growth (profiling distorts the timings)

@@ -108,6 +108,12 @@ def render_chat(messages: Sequence[Mapping[str, Any]], add_generation_prompt: bo
         raise ValueError("messages must be a list")
     parts = []
     for i, message in enumerate(messages):
+        # Most of a long conversation: a plain dict with a string role and text (spared the ABC checks).
+        if type(message) is dict:
+            role, content = message.get("role"), message.get("content")
+            if type(role) is str and role and type(content) is str:
+                parts.append(f"<|{role}|> {content} <|end|>")
+                continue
         if not isinstance(message, Mapping):
             raise ValueError(f"messages[{i}] must be an object")
         role = message.get("role")

@@ -265,3 +265,51 @@ def test_paired_requests_separate_the_routers_own_time_from_the_cache() -> None:
     assert got["same_cache_median_ms"] == pytest.approx(1.0)
     assert got["median_ms"] == pytest.approx(1.0)
     assert (got["later"], got["earlier"]) == (1, 0) and got["later_sum_ms"] == pytest.approx(20.0)
+
+
+def test_requests_fall_in_classes_by_the_share_of_the_prompt_cached(tmp_path: Path) -> None:
+    def req(ttft_s: float, cached: int, prompt: int = 1000) -> dict[str, Any]:
+        return {"ttft_s": ttft_s, "cached_tokens": cached, "prompt_tokens": prompt}
+
+    assert [paired.cache_class(req(0.1, c)) for c in (0, 99, 100, 899, 900, 1000)] == [
+        "nothing",
+        "nothing",
+        "part",
+        "part",
+        "nearly all",
+        "nearly all",
+    ]
+    assert paired.cache_class(req(0.1, 0, prompt=0)) == "nothing"  # no prompt count: nothing known cached
+    got = paired.by_class({("a", 0): req(0.100, 0), ("b", 0): req(0.020, 950), ("c", 0): req(0.030, 990)}, 1000.0)
+    assert got == {
+        "nothing": {"n": 1, "median_ms": pytest.approx(100.0)},
+        "nearly all": {"n": 2, "median_ms": pytest.approx(25.0)},
+    }
+    # Over run folders: the median of the runs' medians; a class counts the runs it occurred in.
+    for seed, (first, repeat) in enumerate(((0.100, 0.004), (0.110, 0.006), (0.120, 0.008))):
+        run = tmp_path / "runs-x" / f"trace-light-{seed}"
+        run.mkdir(parents=True)
+        rows = [{"session": "s", "turn": 0, **req(first, 0)}, {"session": "s", "turn": 1, **req(repeat, 1000)}]
+        if seed == 2:
+            rows.append({"session": "t", "turn": 0, **req(0.050, 500)})
+        (run / "requests-kvaware.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # Hops where the workers logged them: the repeat of run 0, sent at 10.000 s, at the engine 2 ms later,
+    # its first token out at 10.003 and at the client at 10.004; an arrival outside its span matches nothing.
+    run0 = tmp_path / "runs-x" / "trace-light-0"
+    rows0 = [json.loads(line) for line in (run0 / "requests-kvaware.jsonl").read_text().splitlines()]
+    rows0[1].update(prompt_key=7, sent_at=10.0, first_at=10.004)
+    rows0[0].update(prompt_key=8, sent_at=20.0, first_at=20.2)
+    (run0 / "requests-kvaware.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows0))
+    (run0 / "hops-kvaware.log").write_text("7 10.002 10.003\n8 30.0 30.1\n")
+    found = paired.classes(tmp_path, ["kvaware", "smg:cache_aware"])
+    repeat = found["kvaware"]["nearly all"]
+    assert (repeat["forward_ms"], repeat["engine_ms"], repeat["return_ms"]) == pytest.approx((2.0, 1.0, 1.0))
+    assert "forward_ms" not in found["kvaware"]["nothing"]
+    assert set(found) == {"kvaware"}  # smg answered nowhere here
+    assert found["kvaware"]["nothing"] == {"runs": 3, "n": 1, "median_ms": pytest.approx(110.0)}
+    assert found["kvaware"]["nearly all"]["median_ms"] == pytest.approx(6.0)
+    assert found["kvaware"]["part"]["runs"] == 1
+    only = paired.classes(tmp_path, ["kvaware"], "light-2")  # the run folders whose name has it
+    assert only["kvaware"]["nothing"] == {"runs": 1, "n": 1, "median_ms": pytest.approx(120.0)}
+    text = paired.classes_markdown(found)
+    assert "| kvaware | 1, 110.00 (3 runs) | 1, 50.00 (1 runs) | 1, 6.00 (3 runs); 2.00 / 1.00 / 1.00 |" in text

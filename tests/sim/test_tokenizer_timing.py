@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import pytest
 from kvroute.sim.presets import PRESETS, get_preset
 from kvroute.sim.timing import decode_step_seconds, prefill_seconds, promote_seconds, transfer_seconds
@@ -23,6 +25,23 @@ def test_chat_template_is_deterministic_and_shared() -> None:
     assert render_chat(messages) == "<|system|> be brief <|end|> <|user|> hi <|end|> <|assistant|>"
     assert encode_chat(messages) == tokenize(render_chat(messages))
     assert BuiltinTokenizer().encode_chat(messages, False) == tokenize(render_chat(messages, False))
+
+
+def test_plain_dict_messages_render_as_any_other_mapping() -> None:
+    """The fast path for plain dicts gives what the general path gives the same messages as other mappings."""
+    messages = [
+        {"role": "system", "content": "sys  text"},
+        {"role": "user", "content": "a\nb"},
+        {"role": "assistant", "content": None},
+        {"role": "user", "content": ["x", {"type": "text", "text": "y"}, {"type": "image_url"}]},
+        {"role": "tool", "content": "", "tool_call_id": "c1"},
+    ]
+    proxies = [MappingProxyType(m) for m in messages]
+    assert render_chat(messages) == render_chat(proxies)
+    assert render_chat(messages, False) == render_chat(proxies, False)
+    for bad in ({"role": "", "content": "x"}, {"role": 3, "content": "x"}, {"role": "user", "content": 5}):
+        with pytest.raises(ValueError):
+            render_chat([bad])
 
 
 @pytest.mark.parametrize("bad", [[{"content": "x"}], ["not a dict"], "text"])
