@@ -220,6 +220,7 @@ def test_peers_bench_runs_every_cell_with_kvroute_routers(tmp_path: Path) -> Non
         med = cell["median"]
         assert med["answered"] == med["requests"] > 0 and med["errors"] == 0
         assert med["ttft_p50_ms"] > 0 and 0 <= med["goodput"] <= 1
+        assert med["decision_ms"] > 0  # every router here is kvroute's: its decision time is read off its page
         assert "ttft_p50_ms" in cell["ratios"] and cell["reference"] == "best other router"
         # The floor is the engine's prefill of what no cache could hold: no run is below it.
         assert 0 < med["floor_p50_ms"] <= med["floor_p99_ms"] <= med["ttft_p99_ms"]
@@ -245,7 +246,8 @@ def test_peers_bench_runs_every_cell_with_kvroute_routers(tmp_path: Path) -> Non
             assert med["hop_forward_ms"] > 0 and med["hop_engine_ms"] > 0 and med["hop_return_ms"] > 0
         else:
             assert "hop_matched" not in med
-    assert "| mooncake | kvaware | " in (tmp_path / "b" / "peers.md").read_text().split("client → engine")[1]
+    hops_table = (tmp_path / "b" / "peers.md").read_text().split("client → engine")[1]
+    assert "| mooncake | kvaware | " in hops_table and "of it, kvroute's decision" in hops_table
     # bench/paired.py pairs the two routers' requests in every run folder.
     rows = paired.paired(tmp_path / "a", "kvaware", "round_robin")
     assert sorted(r["run"] for r in rows) == sorted(f"{t}-{g}-0" for t in traces for g in ("light", "pd"))
