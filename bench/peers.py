@@ -462,8 +462,9 @@ def run_figures(run: PolicyRun, trace: Trace, fleet: FleetSpec, slo_ms: float) -
             lookups[status] = lookups.get(status, 0.0) + value
     # kvroute's own account of its decisions (tokens -> keys -> lookup -> plan), mean over the run: what
     # the way in spends deciding under the trace's load (a peer's page has no such family).
-    router_page = metric_samples(run.router_metrics) if run.router_metrics else {}
-    decisions = metric_total(router_page, "kvroute_routing_decision_seconds_count")
+    family = "kvroute_routing_decision_seconds"  # a peer's page is not parsed at all
+    router_page = metric_samples(run.router_metrics) if family in run.router_metrics else {}
+    decisions = metric_total(router_page, f"{family}_count")
     served = row["gpu_hits_engine"] + row["cpu_hits_engine"] + row["remote_hits_engine"]
     prompt = row["prompt_tokens"]
     saved = prompt - (computed - served)
@@ -493,7 +494,7 @@ def run_figures(run: PolicyRun, trace: Trace, fleet: FleetSpec, slo_ms: float) -
         p2p_lookups=lookups,
     )
     if decisions:
-        row["decision_ms"] = 1000.0 * metric_total(router_page, "kvroute_routing_decision_seconds_sum") / decisions
+        row["decision_ms"] = 1000.0 * metric_total(router_page, f"{family}_sum") / decisions
     return row
 
 
