@@ -27,7 +27,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from peers import hop_arrivals, request_hops
+from peers import hop_arrivals, request_hops, router_of
 
 #: A request answered this much later or earlier counts as a real difference, not the routers' own time.
 APART_MS = 5.0
@@ -63,6 +63,8 @@ def pair(
 #: Cached share of the prompt below which a request counts as uncached, and from which as fully cached.
 CLASS_BOUNDS = (0.1, 0.9)
 CLASSES = ("nothing", "part", "nearly all")
+#: The hops of a request's time to first token (``bench/peers.py --hops``), real ms.
+HOPS = ("forward_ms", "engine_ms", "return_ms")
 
 
 def cache_class(row: dict[str, Any]) -> str:
@@ -86,11 +88,7 @@ def by_class(
     for r in rows.values():
         c = cache_class(r)
         ttfts.setdefault(c, []).append(r["ttft_s"] * to_ms)
-        split = (
-            request_hops(arrivals, r.get("prompt_key", 0), r.get("sent_at", 0.0), r.get("first_at"))
-            if arrivals
-            else None
-        )
+        split = request_hops(arrivals or {}, r.get("prompt_key", 0), r.get("sent_at", 0.0), r.get("first_at"))
         if split is not None:
             hops.setdefault(c, []).append(split)
     out: dict[str, dict[str, float]] = {}
@@ -100,10 +98,6 @@ def by_class(
             for k, name in enumerate(HOPS):
                 out[c][name] = statistics.median(h[k] for h in hops[c])
     return out
-
-
-#: The hops of a request's time to first token (``bench/peers.py --hops``), real ms.
-HOPS = ("forward_ms", "engine_ms", "return_ms")
 
 
 def run_folders(work: Path, match: str = "") -> list[Path]:
@@ -118,7 +112,7 @@ def classes(work: Path, routers: list[str], match: str = "") -> dict[str, dict[s
     per: dict[str, dict[str, list[dict[str, float]]]] = {}
     for run in run_folders(work, match):
         for router in routers:
-            tag = router.replace(":", "-")
+            tag = router_of(router).tag
             path = run / f"requests-{tag}.jsonl"
             if path.exists():
                 arrivals = hop_arrivals(run / f"hops-{tag}.log")
@@ -149,7 +143,7 @@ def _time_scale(work: Path) -> float:
 def paired(work: Path, a: str, b: str, match: str = "") -> list[dict[str, Any]]:
     """Every run under ``work`` (its ``runs-*/<trace>-<regime>-<seed>`` folders) where both routers answered."""
     scale = _time_scale(work)
-    tag_a, tag_b = a.replace(":", "-"), b.replace(":", "-")
+    tag_a, tag_b = router_of(a).tag, router_of(b).tag  # the names of their files (variants included)
     rows = []
     for run in run_folders(work, match):
         fa, fb = run / f"requests-{tag_a}.jsonl", run / f"requests-{tag_b}.jsonl"

@@ -461,8 +461,8 @@ def run_figures(run: PolicyRun, trace: Trace, fleet: FleetSpec, slo_ms: float) -
             status = labels.get("status", "?")
             lookups[status] = lookups.get(status, 0.0) + value
     # kvroute's own account of its decisions (tokens -> keys -> lookup -> plan), mean over the run: what
-    # the way in spends deciding under the trace's load (a peer's page has no such family).
-    family = "kvroute_routing_decision_seconds"  # a peer's page is not parsed at all
+    # the way in spends deciding under the trace's load. A peer's page has no such family and is not parsed.
+    family = "kvroute_routing_decision_seconds"
     router_page = metric_samples(run.router_metrics) if family in run.router_metrics else {}
     decisions = metric_total(router_page, f"{family}_count")
     served = row["gpu_hits_engine"] + row["cpu_hits_engine"] + row["remote_hits_engine"]

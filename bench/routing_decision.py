@@ -286,12 +286,12 @@ def bench_incremental(prompt_tokens: int, iters: int, n_workers: int, profile: b
         print("| path | tokens p50 µs | keys+lookup p50 µs | plan p50 µs | decision p50 µs | decision p99 µs |")
         print("|---|---|---|---|---|---|")
         profiles: list[tuple[str, str]] = []
-        for n, (path, source, tokens_per_word) in enumerate(
+        for n, (path, source, tokens_per_word, pairs) in enumerate(
             (
-                ("completion (local BPE)", local, per_word),
-                ("chat (local BPE, ChatML)", local, per_word),
-                ("completion (sim built-in)", sim, 1.0),
-                ("chat (sim built-in, agent turns)", sim, 1.0),
+                ("completion (local BPE)", local, per_word, False),
+                ("chat (local BPE, ChatML)", local, per_word, False),
+                ("completion (sim built-in)", sim, 1.0, False),
+                ("chat (sim built-in, agent turns)", sim, 1.0, True),
             )
         ):
             # Start so that the median prompt is prompt_tokens long; at least a few blocks' worth, so a small
@@ -301,7 +301,7 @@ def bench_incremental(prompt_tokens: int, iters: int, n_workers: int, profile: b
             if start_words > wanted:
                 median = (start_words + rounds * grow_words / 2) * tokens_per_word
                 path = f"{path}, median ~{median:.0f} tokens"
-            case = _Case(path, source, random.Random(100 + n), sessions, start_words, pairs="agent" in path)
+            case = _Case(path, source, random.Random(100 + n), sessions, start_words, pairs)
             state = case.snapshot()
             samples = asyncio.run(_run_case(case, rounds, n_workers, grow_words, None))
             if profile:  # a second, profiled pass over the same growth (profiling distorts the timings)
