@@ -3,6 +3,7 @@
     .venv/bin/python bench/peers.py --quick        # Mooncake + shared prefix, 40 requests, 1 seed: ~8 min
     .venv/bin/python bench/peers.py                # every trace x regime x router, 200 requests, 3 seeds
     .venv/bin/python bench/peers.py --routers kvaware,round_robin --traces chat --regimes light
+    .venv/bin/python bench/peers.py --routers kvaware,smg:cache_aware --baseline ../base/.venv/bin/python  # A/B
 
 For each (trace, regime, seed) and each router, a **fresh** simulated fleet (``kvroute sim``) is started,
 so no cache or index carries over from one router to the next, then the router in front of it, and the
@@ -109,6 +110,8 @@ class Router:
     policy: str
     #: kvroute's ``policy_options`` (a variant named ``kvaware[key=value;...]``, for A/B runs).
     options: tuple[tuple[str, Any], ...] = ()
+    #: The interpreter of another kvroute install serving it (``--baseline``); empty: this install.
+    python: str = ""
 
     @property
     def tag(self) -> str:
@@ -126,6 +129,10 @@ ROUTERS = {
         Router("vllm-router:cache_aware", "vllm-router", "cache_aware"),
     )
 }
+
+
+#: ``--baseline``'s router: kvaware served by another install (an older checkout's venv), in the same run.
+BASELINE = "kvaware@baseline"
 
 
 def ensure_peer(peer: Peer, work: Path, log: Callable[[str], None] = print) -> Path:
@@ -240,7 +247,8 @@ def router_process(
     if router.kind == "kvroute":
         if router.options:
             config = {**config, "policy_options": dict(router.options)}
-        return kvroute_process(router.policy, config, workdir, tag=router.tag[len(router.policy) :])
+        python = router.python or sys.executable
+        return kvroute_process(router.policy, config, workdir, python, tag=router.tag[len(router.policy) :])
     return peer_process(router, exes[router.kind], config, workdir)
 
 
@@ -676,6 +684,8 @@ def router_of(name: str) -> Router:
     (values read as YAML), to measure a variant beside the default in the same run."""
     if name in ROUTERS:
         return ROUTERS[name]
+    if name == BASELINE:  # read back from a run's results; main() names the install that served it
+        return Router(BASELINE, "kvroute", "kvaware")
     base, _, rest = name.partition("[")
     known = ROUTERS.get(base)
     if known is None or known.kind != "kvroute" or not rest.endswith("]"):
@@ -728,6 +738,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="split each request's TTFT into client -> engine, engine, engine -> client (the workers log)",
     )
     ap.add_argument(
+        "--baseline",
+        metavar="PYTHON",
+        help=f"the python of another kvroute install: its kvaware runs too, as {BASELINE} (before/after)",
+    )
+    ap.add_argument(
         "--no-peer-pd",
         dest="peer_pd",
         action="store_false",
@@ -739,6 +754,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     args.regimes = _csv(args.regimes or ",".join(REGIMES))
     args.routers = router_names(args.routers, list(ROUTERS))
+    if args.baseline:
+        if not Path(args.baseline).exists():
+            raise SystemExit(f"--baseline {args.baseline}: no such interpreter")
+        args.routers.append(BASELINE)
     args.seeds = [int(s) for s in _csv(args.seeds or ("0" if args.quick else "0,1,2"))]
     args.requests = args.requests or (40 if args.quick else 200)
     args.time_scale = args.time_scale or 1.0
@@ -786,6 +805,7 @@ def run_one(
                     router_config=config,
                     on_result=progress,
                     policy_options=dict(router.options) or None,
+                    python=router.python or None,
                 )
                 explained = receipt_summary(load_receipts([receipts_path])) if receipts_path.exists() else None
             else:
@@ -902,7 +922,9 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     logs = Path(tempfile.mkdtemp(prefix="runs-", dir=work))
-    routers = [router_of(name) for name in args.routers]
+    routers = [
+        replace(router_of(name), python=args.baseline) if name == BASELINE else router_of(name) for name in args.routers
+    ]
     exes = {kind: ensure_peer(PEERS[kind], work) for kind in dict.fromkeys(r.kind for r in routers) if kind in PEERS}
     specs = select_traces(args.traces, trace_specs(args))
     regimes = [REGIMES[name] for name in args.regimes]

@@ -148,10 +148,12 @@ def run_policy(
     policy_options: dict[str, Any] | None = None,
     on_result: Callable[[RequestResult], None] | None = None,
     router_log_level: str = "warning",
+    python: str | None = None,
 ) -> PolicyRun:
     """Start a fleet and a router with ``policy``, replay ``trace`` through the router, stop both.
 
-    ``router_log_level="debug"`` writes every routing decision to the router's log in ``workdir``."""
+    ``router_log_level="debug"`` writes every routing decision to the router's log in ``workdir``;
+    ``python``: another kvroute install's interpreter serves the router (a before/after in one run)."""
     workdir = Path(workdir or tempfile.mkdtemp(prefix="kvroute-run-"))
     workdir.mkdir(parents=True, exist_ok=True)
     router_log = workdir / f"router-{policy}.log"
@@ -165,7 +167,7 @@ def run_policy(
         router_yaml = workdir / f"router-{policy}.yaml"
         router_yaml.write_text(yaml.safe_dump(config, sort_keys=False))
         serve = [
-            sys.executable,
+            python or sys.executable,
             "-m",
             "kvroute.apps.cli",
             "serve",

@@ -153,6 +153,13 @@ def test_a_kvroute_router_takes_policy_options_by_name() -> None:
     for bad in ("smg:cache_aware[x=1]", "kvaware[decode_stall_weight]", "kvaware[x=1", "nope"):
         with pytest.raises(SystemExit):
             peers.router_of(bad)
+    # --baseline's router: kvaware, named apart (its interpreter is set by the run, not by the name).
+    baseline = peers.router_of(peers.BASELINE)
+    assert (baseline.kind, baseline.policy, baseline.tag) == ("kvroute", "kvaware", "kvaware-baseline")
+    args = peers.parse_args(["--routers", "kvaware", "--baseline", sys.executable])
+    assert args.routers == ["kvaware", peers.BASELINE]
+    with pytest.raises(SystemExit):
+        peers.parse_args(["--baseline", "/no/such/python"])
 
 
 # -- the harness end to end -------------------------------------------------------------------------------------------
@@ -207,15 +214,18 @@ def test_peers_bench_runs_every_cell_with_kvroute_routers(tmp_path: Path) -> Non
     regimes = ("light", "pressure", "tiered", "pd")
     cells = _run_peers(tmp_path / "a", "mooncake,shared_prefix,agentic,chat", "light,pd")
     variant = "kvaware[affinity_weight=0;decode_stall_weight=0.5]"
-    cells.update(_run_peers(tmp_path / "b", "mooncake", "pressure,tiered", "--hops", routers=f"kvaware,{variant}"))
+    # --baseline: another install's kvaware in the same run (here this interpreter's, under its own name).
+    extra = ("--hops", "--baseline", sys.executable)
+    cells.update(_run_peers(tmp_path / "b", "mooncake", "pressure,tiered", *extra, routers=f"kvaware,{variant}"))
     expected = {(t, g, r) for t in traces for g in ("light", "pd") for r in ("kvaware", "round_robin")}
-    expected |= {("mooncake", g, r) for g in ("pressure", "tiered") for r in ("kvaware", variant)}
+    expected |= {("mooncake", g, r) for g in ("pressure", "tiered") for r in ("kvaware", variant, peers.BASELINE)}
     assert set(cells) == expected
     # A variant is kvaware with those options, its files named after it.
     run_dir = next((tmp_path / "b").glob("runs-*/mooncake-pressure-0"))
     tag = "kvaware-affinity_weight=0-decode_stall_weight=0.5"
     assert (run_dir / f"receipts-{tag}.jsonl").stat().st_size > 0
     assert (run_dir / f"requests-{tag}.jsonl").stat().st_size > 0
+    assert (run_dir / "requests-kvaware-baseline.jsonl").stat().st_size > 0
     for cell in cells.values():
         med = cell["median"]
         assert med["answered"] == med["requests"] > 0 and med["errors"] == 0
