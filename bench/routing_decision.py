@@ -9,6 +9,13 @@ whole decision (tokens -> keys -> lookup -> plan) for an "incremental 32k" promp
 is ~32k tokens and extends the session's previous prompt by ~200 tokens (completions with the local BPE,
 chat with its ChatML template, completions and agent-turn chats with the simulated workers' built-in
 tokenizer and template), with a cProfile of the decision (``--profile``).
+
+``--loop-stall``: what a new long prompt costs every *other* request of the process. A ticker coroutine
+wakes every millisecond while the async API (what the router calls) encodes fresh prompts of 4k-32k
+tokens; the table gives the encode's wall time and the ticker's longest late wake-up, with long encodes
+in a worker thread (the default) and on the loop (``OFFLOOP_CHARS`` out of reach: the behaviour before
+it). ``--model-folder`` takes a real model's tokenizer folder (``tokenizer.json``, optional
+``tokenizer_config.json``) instead of the tests' small BPE.
 Not a test: numbers depend on the machine; ratios are what to compare.
 """
 
@@ -95,6 +102,59 @@ def bench_policies(n_workers: int, prompt_tokens: int, iters: int) -> None:
     print("|---|---|---|---|")
     for label, (p50, p99) in results.items():
         print(f"| {label} | {p50:.1f} | {p99:.1f} | {p50 / base:.1f}x |")
+
+
+async def _longest_lag(work: Any) -> tuple[float, float]:
+    """(seconds ``work`` took, the longest a 1 ms ticker on the same loop woke late meanwhile)."""
+    lag = 0.0
+    running = True
+
+    async def ticker() -> None:
+        nonlocal lag
+        while running:
+            t0 = time.perf_counter()
+            await asyncio.sleep(0.001)
+            lag = max(lag, time.perf_counter() - t0 - 0.001)
+
+    tick = asyncio.create_task(ticker())
+    await asyncio.sleep(0.01)
+    lag = 0.0
+    t0 = time.perf_counter()
+    await work
+    took = time.perf_counter() - t0
+    running = False
+    await tick
+    return took, lag
+
+
+def bench_loop_stall(folder: Path | None, sizes: list[int], rounds: int) -> None:
+    """The event loop's longest stall while fresh prompts of ``sizes`` tokens are encoded (see the docstring)."""
+    from kvroute.router.tokens import LocalTokenizer
+
+    from tests.router.test_tokens import build_model_folder
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = folder or build_model_folder(Path(tmp) / "model")
+        probe = LocalTokenizer(folder)
+        per_word = len(probe.tokenizer.encode(_text(random.Random(9), 2000), add_special_tokens=False).ids) / 2000
+        print(f"\n## Event-loop stall while a new prompt is encoded ({folder.name}, {per_word:.2f} tokens a word)")
+        print("median of", rounds, "prompts each; ms")
+        print("| prompt tokens | encode, on the loop | longest stall | encode, off the loop | longest stall |")
+        print("|---|---|---|---|---|")
+        for size in sizes:
+            cells: list[str] = []
+            for off_loop in (False, True):
+                tok = LocalTokenizer(folder)
+                if not off_loop:
+                    tok.OFFLOOP_CHARS = 1 << 62
+                took, lags = [], []
+                for r in range(rounds):
+                    text = _text(random.Random(size * 100 + r), int(size / per_word))
+                    t, lag = asyncio.run(_longest_lag(tok.prompt_tokens(text)))
+                    took.append(t)
+                    lags.append(lag)
+                cells += [f"{statistics.median(took) * 1e3:.1f}", f"{statistics.median(lags) * 1e3:.1f}"]
+            print(f"| {size} | {' | '.join(cells)} |")
 
 
 def bench_tokenizer(turns: int) -> None:
@@ -339,6 +399,9 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=30)
     parser.add_argument("--incremental-only", action="store_true", help="only the incremental decision case")
     parser.add_argument("--profile", action="store_true", help="cProfile the incremental decision")
+    parser.add_argument("--loop-stall", action="store_true", help="only the event-loop stall of new long prompts")
+    parser.add_argument("--model-folder", type=Path, help="a real tokenizer folder for --loop-stall")
+    parser.add_argument("--stall-sizes", type=int, nargs="+", default=[4096, 16384, 32768])
     parser.add_argument(
         "--heap-trim-mb",
         type=int,
@@ -347,6 +410,9 @@ def main() -> None:
     )
     args = parser.parse_args()
     tune_allocator(args.heap_trim_mb)
+    if args.loop_stall:
+        bench_loop_stall(args.model_folder, args.stall_sizes, rounds=5)
+        return
     bench_incremental(args.prompt_tokens, args.iters, args.workers[0], args.profile)
     if args.incremental_only:
         return

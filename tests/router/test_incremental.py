@@ -7,7 +7,9 @@ then through the key-chain cache; and neither cache ever holds more than its con
 
 from __future__ import annotations
 
+import asyncio
 import gc
+import threading
 from pathlib import Path
 
 import pytest
@@ -101,6 +103,56 @@ def test_local_long_growth_reuses_and_stays_exact(model_folder: Path) -> None:
     edited = "X" + text[1:]
     assert tok.encode_prompt(edited) == scratch_prompt(tok, edited)
     assert tok.encode_prompt(text[: len(text) // 2]) == scratch_prompt(tok, text[: len(text) // 2])
+
+
+@SETTINGS
+@given(
+    start=st.lists(st.sampled_from(PIECES), min_size=20, max_size=200).map("".join), steps=st.lists(STEP, max_size=8)
+)
+def test_async_prompts_encode_long_texts_off_the_loop_and_equal_full_encodes(
+    model_folder: Path, start: str, steps: list[tuple[str, str, int]]
+) -> None:
+    """The async API runs the same steps as the sync one, its long encodes in a worker thread."""
+    tok = LocalTokenizer(model_folder)
+    tok.OFFLOOP_CHARS = 24  # most encodes here go off the loop
+
+    async def run() -> None:
+        text = start
+        for step in [("repeat", "", 0), *steps]:
+            text = apply(text, step)
+            assert await tok.prompt_tokens(text) == scratch_prompt(tok, text)
+            messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": text}]
+            assert tok.template is not None
+            rendered = tok.template.render(messages, add_generation_prompt=True)
+            assert await tok.chat_tokens(messages) == tok.tokenizer.encode(rendered, add_special_tokens=False).ids
+
+    asyncio.run(run())
+    assert tok.stats()["encoded_off_loop"] > 0
+
+
+async def test_a_long_encode_leaves_the_event_loop_free(model_folder: Path) -> None:
+    """While a long prompt is encoded (the tokenizer holds no GIL in the worker thread), the event loop
+    goes on: here it runs this test's own code, which lets the encode finish."""
+    tok = LocalTokenizer(model_folder)
+    entered, proceed = threading.Event(), threading.Event()
+    encode = tok._encode_released
+
+    def gated(text: str) -> tuple[list[int], list[int]]:
+        entered.set()
+        assert proceed.wait(30), "the event loop never ran while the encode was in flight"
+        return encode(text)
+
+    tok._encode_released = gated  # type: ignore[method-assign]
+    text = "The quick brown fox jumps over the lazy dog. " * 200
+    task = asyncio.create_task(tok.prompt_tokens(text))
+    while not entered.is_set():
+        await asyncio.sleep(0.001)
+    assert not task.done()  # the encode is in flight, and this coroutine runs
+    proceed.set()
+    assert await task == scratch_prompt(tok, text)
+    # Short texts stay on the loop: no thread hop for a tail of a few words.
+    await tok.prompt_tokens(text + " and a short tail")
+    assert tok.stats()["encoded_off_loop"] == 1
 
 
 CHAT_CONTENT = st.lists(st.sampled_from(PIECES), max_size=25).map("".join)
