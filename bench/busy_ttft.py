@@ -16,6 +16,15 @@ direct's in the same round; cells are medians over rounds; "paired" = the median
 minus the best peer in that round. "Router CPU per chunk": the router process's CPU time (its threads and
 children) during the round over the chunks the streams read, the probes' work included. Output under
 ``--work``: ``busy_ttft.json``, ``busy_ttft.md``, ``busy_ttft.png``.
+
+"Streams' stall": the streams' gaps between two reads of one answer (p99 and the longest): what the
+router's other work (the probes' decisions) costs the answers it relays. ``--fresh`` makes every probe a new
+prompt (nothing cached: the router tokenizes all of it), ``--router-tokenizer`` gives kvroute's targets a
+real model's tokenizer folder for the fleet's model (the workers keep theirs: no cache hit is expected,
+the router's own time is what is measured), ``--baseline`` adds another install's kvaware:
+
+    .venv/bin/python bench/busy_ttft.py --routers kvaware --baseline ../base/.venv/bin/python --fresh \
+        --prompt-tokens 16384 --router-tokenizer <model folder> --streams 16 --probes 10
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ import math
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +47,7 @@ import workloads
 from kvroute.experiment import FleetSpec, fleet_process
 from kvroute.report import pyplot, save_figure
 from loadgen import stream_once
-from peers import PEERS, ROUTERS, ensure_peer, router_names, router_of, router_process
+from peers import BASELINE, PEERS, ROUTERS, ensure_peer, router_names, router_of, router_process
 from peers_overhead import is_peer
 from procstat import tree_cpu_s
 
@@ -45,8 +55,11 @@ DIRECT = "direct"
 DEFAULT_ROUTERS = ("kvaware", "round_robin", "smg:cache_aware", "vllm-router:cache_aware")
 
 
-async def keep_streaming(url: str, model: str, key: str, answer_tokens: int, stop: asyncio.Event) -> int:
-    """One client's long answers, back to back, until ``stop``; returns the chunks it read."""
+async def keep_streaming(
+    url: str, model: str, key: str, answer_tokens: int, stop: asyncio.Event, gaps: list[float]
+) -> int:
+    """One client's long answers, back to back, until ``stop``; returns the chunks it read and adds the
+    seconds between two reads of one answer to ``gaps``."""
     chunks = 0
     n = 0
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
@@ -54,7 +67,12 @@ async def keep_streaming(url: str, model: str, key: str, answer_tokens: int, sto
             body = {"model": model, "prompt": f"{key} {n} tell a long story", "max_tokens": answer_tokens}
             n += 1
             async with session.post(url + "/v1/completions", json={**body, "stream": True}) as resp:
+                last = None
                 async for _ in resp.content.iter_any():
+                    now = time.perf_counter()
+                    if last is not None:
+                        gaps.append(now - last)
+                    last = now
                     chunks += 1
                     if stop.is_set():
                         break
@@ -66,28 +84,34 @@ async def probe(base: str, model: str, key: str, args: argparse.Namespace, pid: 
     time per chunk the streams read (all its work meanwhile, the probes' too, over the chunks)."""
     stop = asyncio.Event()
     cpu0 = tree_cpu_s(pid) if pid is not None else None
+    gaps: list[float] = []
     streams = [
-        asyncio.create_task(keep_streaming(base, model, f"{key}/s{i}", args.answer_tokens, stop))
+        asyncio.create_task(keep_streaming(base, model, f"{key}/s{i}", args.answer_tokens, stop, gaps))
         for i in range(args.streams)
     ]
-    messages = [{"role": "user", "content": workloads.words(f"{key}/probe", args.prompt_tokens)}]
-    body = orjson.dumps(
-        {
-            "model": model,
-            "messages": messages,
-            "max_tokens": 2,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-    )
+
+    def body(k: int) -> bytes:
+        """The probe request (``--fresh``: the ``k``-th new prompt, else always the same one)."""
+        text = workloads.words(f"{key}/probe{k if args.fresh else ''}", args.prompt_tokens)
+        return orjson.dumps(
+            {
+                "model": model,
+                "messages": [{"role": "user", "content": text}],
+                "max_tokens": 2,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+        )
+
     ttft: list[float] = []
     errors = 0
     try:
         await asyncio.sleep(args.settle_s)  # the streams under way
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
-            await stream_once(session, base + "/v1/chat/completions", body)  # cold: the prompt gets cached
-            for _ in range(args.probes):
-                got = await stream_once(session, base + "/v1/chat/completions", body)
+            if not args.fresh:
+                await stream_once(session, base + "/v1/chat/completions", body(0))  # cold: the prompt gets cached
+            for k in range(args.probes):
+                got = await stream_once(session, base + "/v1/chat/completions", body(k + 1))
                 if got.ok and got.ttft_s is not None:
                     ttft.append(got.ttft_s * 1e3)
                 else:
@@ -98,7 +122,10 @@ async def probe(base: str, model: str, key: str, args: argparse.Namespace, pid: 
         chunks = sum(await asyncio.gather(*streams))
     cpu = tree_cpu_s(pid) - cpu0 if pid is not None and cpu0 is not None else None
     ttft.sort()
+    gaps.sort()
     return {
+        "stall_p99_ms": gaps[int(0.99 * (len(gaps) - 1))] * 1e3 if gaps else float("nan"),
+        "stall_max_ms": gaps[-1] * 1e3 if gaps else float("nan"),
         "p50_ms": statistics.median(ttft) if ttft else float("nan"),
         "p90_ms": ttft[int(0.9 * (len(ttft) - 1))] if ttft else float("nan"),
         "probes": len(ttft),
@@ -119,7 +146,7 @@ def cells_of(runs: list[dict[str, Any]], names: list[str]) -> list[dict[str, Any
         if not mine:
             continue
         cell: dict[str, Any] = {"target": name, "rounds": len(mine)}
-        for key in ("p50_ms", "p90_ms", "cpu_us_per_chunk"):
+        for key in ("p50_ms", "p90_ms", "cpu_us_per_chunk", "stall_p99_ms", "stall_max_ms"):
             cell[key] = statistics.median(r[key] for r in mine)
         cell["errors"] = sum(r["errors"] for r in mine)
         added = [
@@ -146,15 +173,15 @@ def markdown(cells: list[dict[str, Any]]) -> str:
 
     lines = [
         "| target | probe TTFT p50 ms | p90 ms | added p50 ms | minus best peer, paired ms | rounds <= best peer "
-        "| router CPU µs per chunk | errors |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| router CPU µs per chunk | streams' stall p99 / longest ms | errors |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for c in cells:
         lines.append(
             f"| {c['target']} | {c['p50_ms']:.2f} | {c['p90_ms']:.2f} | {num(c, 'added_p50_ms', '+.2f')} | "
             f"{num(c, 'paired_vs_best_peer_ms', '+.2f')} | {c.get('rounds_at_or_below_best_peer', '-')} of "
             f"{c['rounds']} | {'-' if math.isnan(c['cpu_us_per_chunk']) else format(c['cpu_us_per_chunk'], '.1f')} | "
-            f"{c['errors']} |"
+            f"{c.get('stall_p99_ms', math.nan):.1f} / {c.get('stall_max_ms', math.nan):.1f} | {c['errors']} |"
         )
     return "\n".join(lines)
 
@@ -186,9 +213,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--time-scale", type=float, default=0.2, help="the fleet's: answers last seconds")
     ap.add_argument("--work", default="out/busy_ttft", help="work folder: peer venvs, logs, results")
     ap.add_argument("--chart", type=Path, help="also write the chart here")
+    ap.add_argument("--fresh", action="store_true", help="every probe a new prompt (nothing cached)")
+    ap.add_argument("--router-tokenizer", help="kvroute's tokenizer for the fleet's model (a model folder)")
+    ap.add_argument("--baseline", metavar="PYTHON", help=f"another install's kvaware too, as {BASELINE}")
     ap.add_argument("--quick", action="store_true", help="a smoke test (under a minute)")
     args = ap.parse_args(argv)
     args.routers = router_names(args.routers, DEFAULT_ROUTERS)
+    if args.baseline:
+        args.routers.append(BASELINE)
     args.rounds = args.rounds or (1 if args.quick else 3)
     args.streams = args.streams or (4 if args.quick else 32)
     args.answer_tokens = args.answer_tokens or (200 if args.quick else 2000)
@@ -202,7 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    routers = [router_of(name) for name in args.routers]
+    routers = [
+        replace(router_of(name), python=args.baseline) if name == BASELINE else router_of(name) for name in args.routers
+    ]
     exes = {r.kind: ensure_peer(PEERS[r.kind], work) for r in routers if r.kind in PEERS}
     logs = work / f"runs-{time.strftime('%Y%m%d-%H%M%S')}"
     logs.mkdir()
@@ -219,8 +253,12 @@ def main(argv: list[str] | None = None) -> int:
             bases = {DIRECT: config["workers"][0]["url"].rstrip("/")}
             pids: dict[str, int] = {}
             for router in routers:
+                served = config
+                if router.kind == "kvroute" and args.router_tokenizer:
+                    models = [{**m, "tokenizer": args.router_tokenizer} for m in config["models"]]
+                    served = {**config, "models": models}
                 try:
-                    running = stack.enter_context(router_process(router, config, logs, exes))
+                    running = stack.enter_context(router_process(router, served, logs, exes))
                     bases[router.name], pids[router.name] = running.base, running.pid
                 except Exception as exc:  # a router that does not start must not lose the others
                     runs.append({"round": 0, "target": router.name, "failed": f"{type(exc).__name__}: {exc}"[:2000]})
@@ -233,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(
                         f"[{time.monotonic() - began:5.0f} s] round {rnd + 1}/{args.rounds} {name:<24} probe TTFT "
                         f"p50 {row['p50_ms']:7.2f} ms  p90 {row['p90_ms']:7.2f} ms  {row['stream_chunks']} chunks "
-                        f"streamed ({row['cpu_us_per_chunk']:.1f} µs of router CPU each)  {row['errors']} errors",
+                        f"streamed ({row['cpu_us_per_chunk']:.1f} µs of router CPU each, longest gap "
+                        f"{row['stall_max_ms']:.1f} ms)  {row['errors']} errors",
                         flush=True,
                     )
     cells = cells_of(runs, names)
