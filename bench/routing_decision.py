@@ -12,9 +12,10 @@ tokenizer and template), with a cProfile of the decision (``--profile``).
 
 ``--loop-stall``: what a new long prompt costs every *other* request of the process. A ticker coroutine
 wakes every millisecond while the async API (what the router calls) encodes fresh prompts of 4k-32k
-tokens; the table gives the encode's wall time and the ticker's longest late wake-up, with long encodes
-in a worker thread (the default) and on the loop (``OFFLOOP_CHARS`` out of reach: the behaviour before
-it). ``--model-folder`` takes a real model's tokenizer folder (``tokenizer.json``, optional
+tokens (completions, and chats of 16 messages whose pieces between special tokens are encoded in parallel);
+the table gives the encode's wall time and the ticker's longest late wake-up, with long encodes in a worker
+thread (the default) and on the loop (``OFFLOOP_CHARS`` out of reach: the behaviour before it).
+``--model-folder`` takes a real model's tokenizer folder (``tokenizer.json``, optional
 ``tokenizer_config.json``) instead of the tests' small BPE.
 Not a test: numbers depend on the machine; ratios are what to compare.
 """
@@ -139,22 +140,30 @@ def bench_loop_stall(folder: Path | None, sizes: list[int], rounds: int) -> None
         per_word = len(probe.tokenizer.encode(_text(random.Random(9), 2000), add_special_tokens=False).ids) / 2000
         print(f"\n## Event-loop stall while a new prompt is encoded ({folder.name}, {per_word:.2f} tokens a word)")
         print("median of", rounds, "prompts each; ms")
-        print("| prompt tokens | encode, on the loop | longest stall | encode, off the loop | longest stall |")
-        print("|---|---|---|---|---|")
-        for size in sizes:
-            cells: list[str] = []
-            for off_loop in (False, True):
-                tok = LocalTokenizer(folder)
-                if not off_loop:
-                    tok.OFFLOOP_CHARS = 1 << 62
-                took, lags = [], []
-                for r in range(rounds):
-                    text = _text(random.Random(size * 100 + r), int(size / per_word))
-                    t, lag = asyncio.run(_longest_lag(tok.prompt_tokens(text)))
-                    took.append(t)
-                    lags.append(lag)
-                cells += [f"{statistics.median(took) * 1e3:.1f}", f"{statistics.median(lags) * 1e3:.1f}"]
-            print(f"| {size} | {' | '.join(cells)} |")
+        print("| prompt | tokens | encode, on the loop | longest stall | encode, off the loop | longest stall |")
+        print("|---|---|---|---|---|---|")
+        for shape in ("completion", "chat, 16 messages"):
+            for size in sizes:
+                cells: list[str] = []
+                for off_loop in (False, True):
+                    tok = LocalTokenizer(folder)
+                    if not off_loop:
+                        tok.OFFLOOP_CHARS = 1 << 62
+                    took, lags = [], []
+                    for r in range(rounds):
+                        rng = random.Random(size * 100 + r)
+                        if shape == "completion":
+                            work = tok.prompt_tokens(_text(rng, int(size / per_word)))
+                        else:
+                            turn = int(size / per_word / 16)
+                            roles = ("user", "assistant")
+                            messages = [{"role": roles[k % 2], "content": _text(rng, turn)} for k in range(16)]
+                            work = tok.chat_tokens(messages)
+                        t, lag = asyncio.run(_longest_lag(work))
+                        took.append(t)
+                        lags.append(lag)
+                    cells += [f"{statistics.median(took) * 1e3:.1f}", f"{statistics.median(lags) * 1e3:.1f}"]
+                print(f"| {shape} | {size} | {' | '.join(cells)} |")
 
 
 def bench_tokenizer(turns: int) -> None:

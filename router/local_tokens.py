@@ -40,6 +40,8 @@ from __future__ import annotations
 import asyncio
 import bisect
 import json
+import os
+import re
 import sys
 from array import array
 from collections.abc import Generator, Mapping, Sequence
@@ -99,6 +101,23 @@ class _Entry:
 
 
 NO_BASE: tuple[KeyMemo | None, KeyMemo | None, int] = (None, None, 0)
+#: Cores a long encode's pieces can spread over (``encode_batch`` runs them in parallel).
+CORES = os.cpu_count() or 1
+
+
+def _split_points(added: Mapping[int, Any]) -> tuple[re.Pattern[str], frozenset[str]] | None:
+    """A pattern matching the tokenizer's raw added tokens as it matches them (leftmost, longest first),
+    and those a text may be cut before: special, not normalised, no ``lstrip``/``rstrip``/``single_word``.
+    None when there are none (texts are encoded whole)."""
+    raw = {t.content for t in added.values() if t.content and not t.normalized}
+    safe = frozenset(
+        t.content
+        for t in added.values()
+        if t.content and t.special and not (t.normalized or t.lstrip or t.rstrip or t.single_word)
+    )
+    if not safe:
+        return None
+    return re.compile("|".join(re.escape(c) for c in sorted(raw, key=len, reverse=True))), safe
 
 
 def counters() -> dict[str, int]:
@@ -162,6 +181,7 @@ class LocalTokenizer:
         #: Boundaries used for prefix reuse: special tokens the template emits (else a few of them).
         self.boundaries = in_template or specials[:32]
         self._cache: PrefixIndex[str, _Entry] = PrefixIndex(cache_bytes, unit=1, first=64, step=16384)
+        self._splits = _split_points(added)
         self._pre, self._post = self._special_wrap()
         self.counters = {**counters(), "encoded_off_loop": 0}
 
@@ -224,9 +244,37 @@ class LocalTokenizer:
         return enc.ids, [o[0] for o in enc.offsets]
 
     def _encode_released(self, text: str) -> Encoded:
-        """:meth:`_encode` for a worker thread: ``encode_batch`` releases the GIL, ``encode`` does not."""
-        (enc,) = self.tokenizer.encode_batch([text], add_special_tokens=False)
-        return enc.ids, [o[0] for o in enc.offsets]
+        """:meth:`_encode` for a worker thread: ``encode_batch`` releases the GIL (``encode`` does not) and
+        encodes the pieces of ``text`` between special tokens (a chat's messages) on every core."""
+        pieces = self._pieces(text)
+        encodings = self.tokenizer.encode_batch(pieces, add_special_tokens=False)
+        ids: list[int] = []
+        starts: list[int] = []
+        at = 0
+        for piece, enc in zip(pieces, encodings, strict=True):
+            ids += enc.ids
+            starts += [at + o[0] for o in enc.offsets]
+            at += len(piece)
+        return ids, starts
+
+    def _pieces(self, text: str) -> list[str]:
+        """``text`` cut just before special tokens into pieces of at least ``OFFLOOP_CHARS`` characters (one
+        per core's share at most). Encoded apart, they give the whole text's ids: added tokens are split off
+        before normalisation and pre-tokenization, and a cut is only made before one that takes no space
+        around it nor matches after normalisation (:func:`_split_points`)."""
+        if self._splits is None:
+            return [text]
+        pattern, safe = self._splits
+        size = max(self.OFFLOOP_CHARS, len(text) // (2 * CORES))
+        pieces = []
+        start = 0
+        for match in pattern.finditer(text):
+            cut = match.start()
+            if cut - start >= size and match.group() in safe:
+                pieces.append(text[start:cut])
+                start = cut
+        pieces.append(text[start:])
+        return pieces
 
     # -- the steps: what to encode is yielded, its (ids, starts) sent back ---------------------------------
 

@@ -130,6 +130,34 @@ def test_async_prompts_encode_long_texts_off_the_loop_and_equal_full_encodes(
     assert tok.stats()["encoded_off_loop"] > 0
 
 
+@SETTINGS
+@given(contents=st.lists(TEXT, min_size=1, max_size=12), size=st.integers(1, 80))
+def test_a_text_encoded_in_pieces_between_special_tokens_equals_it_whole(
+    model_folder: Path, contents: list[str], size: int
+) -> None:
+    """The off-loop encode cuts a long text before special tokens and encodes the pieces in parallel: the
+    same ids and character starts as one encode, whatever the pieces hold (specials, spaces around them)."""
+    tok = LocalTokenizer(model_folder)
+    assert tok.template is not None
+    tok.OFFLOOP_CHARS = size  # cut wherever a special token allows
+    messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": c} for i, c in enumerate(contents)]
+    for text in (tok.template.render(messages, add_generation_prompt=True), "".join(contents)):
+        pieces = tok._pieces(text)
+        assert "".join(pieces) == text
+        assert tok._encode_released(text) == tok._encode(text)
+
+
+def test_a_long_chat_is_encoded_in_several_pieces(model_folder: Path) -> None:
+    tok = LocalTokenizer(model_folder)
+    assert tok.template is not None
+    tok.OFFLOOP_CHARS = 256
+    messages = [{"role": "user", "content": f"message {i}: the quick brown fox jumps. " * 20} for i in range(10)]
+    text = tok.template.render(messages, add_generation_prompt=True)
+    pieces = tok._pieces(text)
+    assert len(pieces) > 1 and all(p.startswith(("<|im_start|>", "<|im_end|>")) for p in pieces[1:])
+    assert tok._encode_released(text) == tok._encode(text)
+
+
 async def test_a_long_encode_leaves_the_event_loop_free(model_folder: Path) -> None:
     """While a long prompt is encoded (the tokenizer holds no GIL in the worker thread), the event loop
     goes on: here it runs this test's own code, which lets the encode finish."""
