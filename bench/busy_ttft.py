@@ -92,11 +92,14 @@ async def probe(base: str, model: str, key: str, args: argparse.Namespace, pid: 
 
     def body(k: int) -> bytes:
         """The probe request (``--fresh``: the ``k``-th new prompt, else always the same one)."""
-        text = workloads.words(f"{key}/probe{k if args.fresh else ''}", args.prompt_tokens)
+        n = args.probe_messages
+        texts = [
+            workloads.words(f"{key}/probe{k if args.fresh else ''}/{i}", args.prompt_tokens // n) for i in range(n)
+        ]
         return orjson.dumps(
             {
                 "model": model,
-                "messages": [{"role": "user", "content": text}],
+                "messages": [{"role": ("user", "assistant")[i % 2], "content": t} for i, t in enumerate(texts)],
                 "max_tokens": 2,
                 "stream": True,
                 "stream_options": {"include_usage": True},
@@ -214,6 +217,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--work", default="out/busy_ttft", help="work folder: peer venvs, logs, results")
     ap.add_argument("--chart", type=Path, help="also write the chart here")
     ap.add_argument("--fresh", action="store_true", help="every probe a new prompt (nothing cached)")
+    ap.add_argument("--probe-messages", type=int, default=1, help="the probe's prompt split into this many messages")
     ap.add_argument("--router-tokenizer", help="kvroute's tokenizer for the fleet's model (a model folder)")
     ap.add_argument("--baseline", metavar="PYTHON", help=f"another install's kvaware too, as {BASELINE}")
     ap.add_argument("--quick", action="store_true", help="a smoke test (under a minute)")
