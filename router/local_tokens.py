@@ -258,10 +258,10 @@ class LocalTokenizer:
         return ids, starts
 
     def _pieces(self, text: str) -> list[str]:
-        """``text`` cut just before special tokens into pieces of at least ``OFFLOOP_CHARS`` characters (one
-        per core's share at most). Encoded apart, they give the whole text's ids: added tokens are split off
-        before normalisation and pre-tokenization, and a cut is only made before one that takes no space
-        around it nor matches after normalisation (:func:`_split_points`)."""
+        """``text`` cut just before special tokens into pieces of at least ``OFFLOOP_CHARS`` characters and
+        half a core's share (two pieces a core at most). Encoded apart, they give the whole text's ids: added
+        tokens are split off before normalisation and pre-tokenization, and a cut is only made before one
+        that takes no space around it nor matches after normalisation (:func:`_split_points`)."""
         if self._splits is None:
             return [text]
         pattern, safe = self._splits
