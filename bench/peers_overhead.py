@@ -63,7 +63,17 @@ import workloads
 from kvroute.experiment import FleetSpec, fleet_process
 from kvroute.report import pyplot, save_figure
 from loadgen import Stats, closed_loop, latency_stats, stream_once
-from peers import PEERS, ROUTERS, Router, ensure_peer, kvroute_process, router_names, router_of, router_process
+from peers import (
+    BASELINE,
+    PEERS,
+    ROUTERS,
+    Router,
+    ensure_peer,
+    kvroute_process,
+    router_names,
+    router_of,
+    router_process,
+)
 from procstat import tree_cpu_s
 
 DEFAULT_ROUTERS = ("kvaware", "round_robin", "smg:cache_aware", "vllm-router:cache_aware")
@@ -317,10 +327,6 @@ def cells_of(runs: list[dict[str, Any]], names: list[str], scens: list[Scenario]
             cells.append(cell)
     add_ratios(cells)
     return cells
-
-
-#: The ``--baseline`` target: kvaware served by another install, in the same run.
-BASELINE = "kvaware@baseline"
 
 
 def is_peer(name: str) -> bool:
