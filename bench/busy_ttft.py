@@ -37,7 +37,6 @@ import math
 import statistics
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +46,7 @@ import workloads
 from kvroute.experiment import FleetSpec, fleet_process
 from kvroute.report import pyplot, save_figure
 from loadgen import stream_once
-from peers import BASELINE, PEERS, ROUTERS, ensure_peer, router_names, router_of, router_process
+from peers import BASELINE, PEERS, ROUTERS, ensure_peer, router_names, router_process, routers_of, with_baseline
 from peers_overhead import is_peer
 from procstat import tree_cpu_s
 
@@ -223,8 +222,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="a smoke test (under a minute)")
     args = ap.parse_args(argv)
     args.routers = router_names(args.routers, DEFAULT_ROUTERS)
-    if args.baseline:
-        args.routers.append(BASELINE)
+    args.routers = with_baseline(args.routers, args.baseline)
     args.rounds = args.rounds or (1 if args.quick else 3)
     args.streams = args.streams or (4 if args.quick else 32)
     args.answer_tokens = args.answer_tokens or (200 if args.quick else 2000)
@@ -238,9 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    routers = [
-        replace(router_of(name), python=args.baseline) if name == BASELINE else router_of(name) for name in args.routers
-    ]
+    routers = routers_of(args.routers, args.baseline)
     exes = {r.kind: ensure_peer(PEERS[r.kind], work) for r in routers if r.kind in PEERS}
     logs = work / f"runs-{time.strftime('%Y%m%d-%H%M%S')}"
     logs.mkdir()

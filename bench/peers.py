@@ -708,6 +708,20 @@ def router_names(text: str | None, default: Sequence[str]) -> list[str]:
     return names
 
 
+def with_baseline(names: list[str], baseline: str | None) -> list[str]:
+    """``names`` and, given a ``--baseline`` interpreter (which must exist), :data:`BASELINE` after them."""
+    if not baseline:
+        return names
+    if not Path(baseline).exists():
+        raise SystemExit(f"--baseline {baseline}: no such interpreter")
+    return [*names, BASELINE]
+
+
+def routers_of(names: Sequence[str], baseline: str | None) -> list[Router]:
+    """The routers named, :data:`BASELINE`'s served by the ``baseline`` interpreter."""
+    return [replace(router_of(n), python=baseline or "") if n == BASELINE else router_of(n) for n in names]
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
@@ -754,10 +768,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     args.regimes = _csv(args.regimes or ",".join(REGIMES))
     args.routers = router_names(args.routers, list(ROUTERS))
-    if args.baseline:
-        if not Path(args.baseline).exists():
-            raise SystemExit(f"--baseline {args.baseline}: no such interpreter")
-        args.routers.append(BASELINE)
+    args.routers = with_baseline(args.routers, args.baseline)
     args.seeds = [int(s) for s in _csv(args.seeds or ("0" if args.quick else "0,1,2"))]
     args.requests = args.requests or (40 if args.quick else 200)
     args.time_scale = args.time_scale or 1.0
@@ -922,9 +933,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     logs = Path(tempfile.mkdtemp(prefix="runs-", dir=work))
-    routers = [
-        replace(router_of(name), python=args.baseline) if name == BASELINE else router_of(name) for name in args.routers
-    ]
+    routers = routers_of(args.routers, args.baseline)
     exes = {kind: ensure_peer(PEERS[kind], work) for kind in dict.fromkeys(r.kind for r in routers) if kind in PEERS}
     specs = select_traces(args.traces, trace_specs(args))
     regimes = [REGIMES[name] for name in args.regimes]

@@ -330,7 +330,7 @@ def cells_of(runs: list[dict[str, Any]], names: list[str], scens: list[Scenario]
 
 
 def is_peer(name: str) -> bool:
-    return name not in (DIRECT, BASELINE) and router_of(name).kind != "kvroute"
+    return name != DIRECT and router_of(name).kind != "kvroute"
 
 
 def add_ratios(cells: list[dict[str, Any]]) -> None:
