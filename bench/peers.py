@@ -503,6 +503,11 @@ def run_figures(run: PolicyRun, trace: Trace, fleet: FleetSpec, slo_ms: float) -
     )
     if decisions:
         row["decision_ms"] = 1000.0 * metric_total(router_page, f"{family}_sum") / decisions
+        # The share of decisions taken on a long new prompt's head (router/prompt_head.py).
+        heads = [
+            v for labels, v in router_page.get("kvroute_prompt_heads_total", []) if labels.get("outcome") == "decided"
+        ]
+        row["head_share"] = sum(heads) / decisions
     return row
 
 
@@ -539,6 +544,7 @@ METRICS = (
     *(f"hop_{name}_ms" for name in ("forward", "engine", "return")),
     "hop_matched",
     "decision_ms",
+    "head_share",
 )
 #: Lower is better for these; higher for the rest of RATIOS.
 LOWER = {"ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "e2e_p50_ms", "tpot_p99_ms"}
@@ -591,13 +597,13 @@ def hop_markdown(cells: list[dict[str, Any]]) -> str:
         "Per request, time to first token in hops (real ms; medians over requests, then over seeds); kvroute's",
         "decision (its `kvroute_routing_decision_seconds`, mean over the run) is part of the first hop:",
         "",
-        "| trace | router | client → engine | of it, kvroute's decision | engine | engine → client |",
-        "|---|---|---|---|---|---|",
+        "| trace | router | client → engine | of it, kvroute's decision | on the head | engine | engine → client |",
+        "|---|---|---|---|---|---|---|",
     ]
     for c in cells:
         if "hop_forward_ms" in c["median"]:
             hops = [_spread(c, f"hop_{name}_ms", "{:.2f}") for name in ("forward", "engine", "return")]
-            hops.insert(1, _spread(c, "decision_ms", "{:.2f}"))
+            hops[1:1] = [_spread(c, "decision_ms", "{:.2f}"), _spread(c, "head_share", "{:.0%}")]
             lines.append("| " + " | ".join([c["trace"], c["router"], *hops]) + " |")
     return "\n".join(lines)
 

@@ -338,6 +338,9 @@ class PrefixIndex(Generic[S, V]):
         #: ident -> (sequence, value, bytes, mark hashes)
         self._entries: OrderedDict[int, tuple[S, V, int, list[int]]] = OrderedDict()
         self._marks: dict[int, int] = {}
+        #: The last sequence probed, its seed and its probe: a request's text is probed once, whether it is
+        #: looked up for its head first or straight away (marks depend on the sequence alone).
+        self._last: tuple[S, int, Probe] | None = None
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -354,6 +357,14 @@ class PrefixIndex(Generic[S, V]):
             pos += self.step
 
     def probe(self, seq: S, seed: int = 0) -> Probe:
+        last = self._last
+        if last is not None and last[0] is seq and last[1] == seed:
+            return last[2]
+        probe = self._probe(seq, seed)
+        self._last = (seq, seed, probe)
+        return probe
+
+    def _probe(self, seq: S, seed: int) -> Probe:
         marks = []
         prev = 0
         h = seed & _MASK

@@ -268,6 +268,12 @@ class RouterConfig(_Strict):
         "arrive: until the request's first bytes come back, when the engine has published them (co-locates a burst "
         "sharing a new prefix); 0 = only the index counts",
     )
+    prompt_heads: bool = Field(
+        default=True,
+        description="Decide a long prompt the tokenizer's prefix cache covers little of on its first tokens when no "
+        "worker holds all of them (none then holds more), and encode the rest after the request went out "
+        "(local and plugin tokenizers; docs/routing.md)",
+    )
     retry_attempts: int = Field(
         default=3,
         ge=1,

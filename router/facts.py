@@ -10,9 +10,12 @@ reason (``kvroute_unrendered_requests_total``), never guessed.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 from kvroute.indexer.backend import IndexUnavailable, WorkerMatch
 from kvroute.indexer.entities import split_entity
@@ -21,6 +24,7 @@ from kvroute.logs import RateLimitedLog
 from kvroute.policies.base import Policy, RouteRequest
 from kvroute.router.conversations import ConversationEntry, ConversationStore
 from kvroute.router.kv_metrics import KVRouteMetrics
+from kvroute.router.prompt_head import PromptHead
 from kvroute.router.registry import WorkerRegistry
 from kvroute.router.requests import ParsedRequest, prompt_text
 from kvroute.router.routed_prefixes import RoutedPrefixes
@@ -29,6 +33,7 @@ from kvroute.router.tokens import TokenizeError, Tokenizers, Unrenderable
 log = logging.getLogger("kvroute.facts")
 #: Per-request failures (tokenizer down, conversation store down) are counted each time, logged rarely.
 limited = RateLimitedLog(log)
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -44,6 +49,8 @@ class Facts:
     ranks: dict[str, int] = field(default_factory=dict)
     #: The LoRA adapter the request names (looked up under its base model with the adapter's key).
     lora: str | None = None
+    #: A prompt decided on its head: encodes the rest once the request is routed to the worker given.
+    finish_head: Callable[[str], None] | None = None
 
 
 def fold_ranks(
@@ -66,6 +73,11 @@ def fold_ranks(
     return folded, ranks
 
 
+def _holds_whole(matches: dict[str, WorkerMatch], head_blocks: int) -> bool:
+    """Whether some worker holds (or was just sent) all ``head_blocks`` blocks of a prompt's head."""
+    return head_blocks <= 0 or any(m.blocks >= head_blocks for m in matches.values())
+
+
 class FactGatherer:
     """Tokenizes the prompt exactly as the engine will, looks its block keys up in the index, and takes the
     conversation store's entry from the previous turn."""
@@ -79,6 +91,7 @@ class FactGatherer:
         indexer: KVIndexer | None,
         conversations: ConversationStore | None,
         routed: RoutedPrefixes | None = None,
+        heads: bool = True,
     ) -> None:
         self.registry = registry
         self.metrics = metrics
@@ -87,6 +100,10 @@ class FactGatherer:
         self.conversations = conversations
         #: Prefixes just routed, seen as GPU hits until their events arrive (None: the index alone).
         self.routed = routed
+        #: Whether a long new prompt may be decided on its head (:mod:`~kvroute.router.prompt_head`).
+        self.heads = heads
+        #: The rests of prompts decided on their heads, being encoded (held so they are not collected).
+        self._finishing: set[asyncio.Task[None]] = set()
 
     def _data_parallel(self, worker_id: str) -> bool:
         state = self.registry.get(worker_id)
@@ -109,7 +126,8 @@ class FactGatherer:
         # Conversation reuse needs the prompt's block keys too, whatever the policy.
         wants_keys = policy.needs_index or (cid is not None and self.conversations is not None)
         if wants_keys and self.indexer is not None and self.tokenizers is not None:
-            facts.keys = await self._lookup(request, facts)
+            heads = self.heads and policy.needs_index and cid is None  # conversation reuse needs every key
+            facts.keys = await self._lookup(request, facts, heads)
         if policy.needs_text:
             chat = request.prompt.chat if request.prompt is not None else None
             facts.route.prompt_text = prompt_text(body if chat is None else {"messages": chat.messages})
@@ -117,38 +135,64 @@ class FactGatherer:
             facts.conversation = await self._take_conversation(facts.route, cid, facts.keys)
         return facts
 
-    async def _lookup(self, request: ParsedRequest, facts: Facts) -> list[int] | None:
+    async def _lookup(self, request: ParsedRequest, facts: Facts, heads: bool) -> list[int] | None:
+        """The prompt's tokens, looked up; ``heads``: a long new prompt may be decided on its head."""
         assert self.indexer is not None and self.tokenizers is not None and request.json is not None
-        body = request.json
         route = facts.route
         # A LoRA adapter runs on its base: the base's tokenizer, the base's blocks (events come under the base
         # model), keyed with the adapter's name as vLLM does, so base blocks never count for the adapter.
         base = self.registry.base_of(route.model)
-        model, lora = (base, route.model) if base else (route.model, None)
-        facts.lora = lora
+        model, facts.lora = (base, route.model) if base else (route.model, None)
         prompt = request.prompt
         if prompt is not None and prompt.load_only:
             self.metrics.unrendered.labels(prompt.surface, prompt.load_only).inc()
             return None
-        try:
-            tokens = await self.tokenizers.tokens_for_request(model, request.route, body, prompt)
-        except Unrenderable as exc:
-            self.metrics.unrendered.labels(prompt.surface if prompt else "other", exc.reason).inc()
+        got = await self._tokens(
+            request, model, self.tokenizers.tokens_for_request(model, request.route, request.json, prompt, head=heads)
+        )
+        if isinstance(got, PromptHead):
+            keys = await self._find(request, facts, model, got.tokens)
+            block = route.block_size
+            if keys is not None and block and not _holds_whole(route.matches, len(got.tokens) // block):
+                # Nobody holds past the head: the whole prompt's lookup would find no more.
+                route.prompt_tokens = got.estimated_total
+                self.metrics.prompt_heads.labels("decided").inc()
+                facts.finish_head = functools.partial(self._finish_head, request, facts, model, got)
+                return keys
+            self.metrics.prompt_heads.labels("encoded_whole").inc()
+            tokens = await self._tokens(request, model, got.rest())
+        else:
+            tokens = got
+        if tokens is None:
             return None
+        route.prompt_tokens = len(tokens)
+        return await self._find(request, facts, model, tokens)
+
+    async def _tokens(self, request: ParsedRequest, model: str, pending: Awaitable[T]) -> T | None:
+        """What ``pending`` tokenizes; None (counted, logged rarely) when it cannot."""
+        try:
+            return await pending
+        except Unrenderable as exc:
+            prompt = request.prompt
+            self.metrics.unrendered.labels(prompt.surface if prompt else "other", exc.reason).inc()
         except TokenizeError as exc:
             self.metrics.fallbacks.labels("tokenizer").inc()
             limited.warning(
-                f"tokenizer:{route.model}",
+                f"tokenizer:{model}",
                 "request %s: no tokens (%s); routing without the index",
                 request.request_id,
                 exc,
             )
-            return None
-        route.prompt_tokens = len(tokens)
-        salt = body.get("cache_salt")
+        return None
+
+    async def _find(self, request: ParsedRequest, facts: Facts, model: str, tokens: Sequence[int]) -> list[int] | None:
+        """``tokens`` looked up: the route's matches (ranks folded, routed prefixes added) and block keys."""
+        assert self.indexer is not None and request.json is not None
+        route = facts.route
+        salt = request.json.get("cache_salt")
         try:
             result = await self.indexer.lookup_tokens(
-                model, tokens, lora_name=lora, cache_salt=salt if isinstance(salt, str) else None
+                model, tokens, lora_name=facts.lora, cache_salt=salt if isinstance(salt, str) else None
             )
         except IndexUnavailable:
             self.metrics.fallbacks.labels("index_unavailable").inc()
@@ -160,6 +204,42 @@ class FactGatherer:
         if self.routed is not None and result.keys:
             self._add_routed(route, result.keys)
         return result.keys
+
+    def _finish_head(self, request: ParsedRequest, facts: Facts, model: str, head: PromptHead, worker_id: str) -> None:
+        """The rest of a prompt decided on its head, encoded once the request has gone to ``worker_id`` (the
+        next turn's prefix cache), the head checked against it, and the prompt's routed note made whole."""
+
+        async def finish() -> None:
+            try:
+                tokens = await head.rest()
+            except TokenizeError as exc:
+                limited.warning(f"tokenizer:{model}", "request %s: its rest: %s", request.request_id, exc)
+                return
+            n = len(head.tokens)
+            if list(tokens[:n]) != list(head.tokens):
+                self.metrics.prompt_heads.labels("mismatch").inc()
+                limited.warning(
+                    f"head:{model}",
+                    "request %s: its head's tokens differ from the whole prompt's: this tokenizer's pieces change "
+                    "where a head is cut; set prompt_heads: false",
+                    request.request_id,
+                )
+                return
+            route = facts.route
+            facts.keys = self._keys(request, facts, model, tokens)
+            if self.routed is not None and facts.keys and self.routed.noted(route.request_id):
+                match = route.matches.get(worker_id)
+                ready = match.blocks - match.pending if match is not None else 0
+                self.routed.note(route.request_id, route.model, worker_id, facts.keys, ready)
+
+        task = asyncio.get_running_loop().create_task(finish())
+        self._finishing.add(task)
+        task.add_done_callback(self._finishing.discard)
+
+    def _keys(self, request: ParsedRequest, facts: Facts, model: str, tokens: Sequence[int]) -> list[int]:
+        assert self.indexer is not None and request.json is not None
+        salt = request.json.get("cache_salt")
+        return self.indexer.request_keys(model, tokens, facts.lora, salt if isinstance(salt, str) else None)[1]
 
     def _add_routed(self, route: RouteRequest, keys: list[int]) -> None:
         """A worker the prefix was just sent to holds it as soon as that request's prefill runs: beyond what
@@ -182,6 +262,9 @@ class FactGatherer:
             match = facts.route.matches.get(worker_id)
             ready = match.blocks - match.pending if match is not None else 0
             self.routed.note(facts.route.request_id, facts.route.model, worker_id, facts.keys, ready)
+        finish, facts.finish_head = facts.finish_head, None
+        if finish is not None:
+            finish(worker_id)
 
     def settled(self, facts: Facts) -> None:
         """The request's first bytes came back (its prefill ran, so the engine has published its blocks'

@@ -64,6 +64,14 @@ class KVRouteMetrics:
             "Lookups where a prefix just routed to a worker (its KV events not yet in) counted as cached there",
             registry=r,
         )
+        self.prompt_heads = Counter(
+            "kvroute_prompt_heads_total",
+            "Long new prompts looked up by their head first: decided on it (nobody held past it), encoded whole "
+            "before deciding (a worker held the whole head), or a head whose tokens the whole prompt's then "
+            "contradicted (mismatch)",
+            ["outcome"],
+            registry=r,
+        )
         self.fallbacks = Counter(
             "kvroute_kv_fallbacks_total",
             "Requests whose KV plan fell back (index down, tokenizer failed, prefill leg failed)",

@@ -51,6 +51,7 @@ from typing import Any, TypeVar, cast
 from kvroute.indexer.keys import KeyMemo, PrefixIndex, TokenIds, memo_budget
 from kvroute.router.chat_prompt import ChatPrompt, TokenizeError, Unrenderable, prompt_of_fields
 from kvroute.router.chat_template import ChatTemplate, load_chat_templates
+from kvroute.router.prompt_head import PromptHead, estimated_tokens, head_cut
 
 
 def _token_text(value: Any) -> str:
@@ -121,7 +122,15 @@ def _split_points(added: Mapping[int, Any]) -> tuple[re.Pattern[str], frozenset[
 
 
 def counters() -> dict[str, int]:
-    return {"hits": 0, "prefix_hits": 0, "misses": 0, "fallbacks": 0, "tokens_reused": 0, "tokens_encoded": 0}
+    return {
+        "hits": 0,
+        "prefix_hits": 0,
+        "misses": 0,
+        "fallbacks": 0,
+        "tokens_reused": 0,
+        "tokens_encoded": 0,
+        "heads": 0,
+    }
 
 
 def _model_type(folder: Path) -> str | None:
@@ -381,6 +390,23 @@ class LocalTokenizer:
         ids, tail_starts = yield from self._encoded(text[cut:])
         return self._splice(base, special, ids, tail_starts, cut)
 
+    def _head(self, text: str) -> Steps[tuple[array[int], int] | None]:
+        """The ids of ``text``'s head that no continuation changes and the characters they cover
+        (:mod:`~kvroute.router.prompt_head`); None when the cache holds all but a little of the text."""
+        cache = self._cache
+        if cache.max_bytes <= 0:
+            return None
+        probe = cache.probe(text)
+        if cache.get(text, probe) is not None:
+            return None
+        found = cache.longest(text, probe)
+        cut = head_cut(text, found[2] if found is not None else 0)
+        if cut is None:
+            return None
+        entry = yield from self._entry(text[:cut])
+        keep = bisect.bisect_left(entry.starts, cut - self.GUARD_CHARS)
+        return entry.ids[:keep], entry.starts[keep] if keep < len(entry.starts) else cut
+
     def _splice(self, base: _Entry, keep: int, ids: list[int], starts: list[int], offset: int) -> _Entry:
         """The first ``keep`` of ``base``'s ids, then ``ids``."""
         self.counters["prefix_hits"] += 1
@@ -430,12 +456,16 @@ class LocalTokenizer:
         the request asks for them, ``add_special_tokens``)."""
         return self._run(self._chat(prompt))
 
-    def _chat(self, prompt: ChatPrompt) -> Steps[Sequence[int]]:
+    def _chat_text(self, prompt: ChatPrompt) -> str:
         if self.template is None:
             raise TokenizeError("this model folder has no chat template")
         if self.harmony:
             raise Unrenderable("harmony", "gpt-oss models render chat as Harmony messages")
-        text = self.template.render_prompt(prompt)
+        return self.template.render_prompt(prompt)
+
+    def _chat(self, prompt: ChatPrompt, text: str | None = None) -> Steps[Sequence[int]]:
+        """A chat request's tokens (``text``: its rendering, when already made)."""
+        text = self._chat_text(prompt) if text is None else text
         if not prompt.add_special_tokens:
             return (yield from self._raw(text))
         if self._pre is None or self._post is None:
@@ -473,3 +503,39 @@ class LocalTokenizer:
         return await self._run_async(
             self._chat(prompt_of_fields(messages, add_generation_prompt, tools, chat_template_kwargs))
         )
+
+    # -- heads: a long new prompt's first tokens, to decide on before the rest is encoded -------------------
+
+    async def prompt_head(self, prompt: str) -> PromptHead | Sequence[int]:
+        """A completion prompt's :class:`~kvroute.router.prompt_head.PromptHead` when the cache covers little
+        of it, else its tokens (:meth:`prompt_tokens`)."""
+        if isinstance(prompt, str) and self._pre is not None and self._post is not None:
+            head = await self._head_of(prompt, self._pre, len(self._pre) + len(self._post), self._prompt(prompt))
+            if head is not None:
+                return head
+        return await self.prompt_tokens(prompt)
+
+    async def chat_prompt_head(self, prompt: ChatPrompt) -> PromptHead | Sequence[int]:
+        """:meth:`prompt_head` for a chat request (:meth:`chat_prompt_tokens`)."""
+        text = self._chat_text(prompt)
+        wraps = prompt.add_special_tokens
+        if not wraps or (self._pre is not None and self._post is not None):
+            pre = (self._pre or []) if wraps else []
+            added = len(pre) + len(self._post or []) if wraps else 0
+            head = await self._head_of(text, pre, added, self._chat(prompt, text))
+            if head is not None:
+                return head
+        return await self._run_async(self._chat(prompt, text))
+
+    async def _head_of(self, text: str, pre: list[int], added: int, whole: Steps[Sequence[int]]) -> PromptHead | None:
+        """The head of ``text`` (encoded as ``pre`` + its ids + ``added - len(pre)`` more), its rest ``whole``."""
+        got = await self._run_async(self._head(text))
+        if got is None:
+            whole.close()
+            return None
+        ids, covered = got
+        tokens = TokenIds(pre)
+        tokens.extend(ids)
+        self.counters["heads"] += 1
+        total = estimated_tokens(len(text), len(ids), covered) + added
+        return PromptHead(tokens, total, lambda: self._run_async(whole))

@@ -9,6 +9,7 @@ from typing import Any
 from kvroute.indexer.keys import PrefixIndex, TokenIds, memo_budget
 from kvroute.router.chat_prompt import ChatPrompt, TokenizeError, conversation
 from kvroute.router.local_tokens import DEFAULT_CACHE_BYTES, counters
+from kvroute.router.prompt_head import PromptHead, estimated_tokens, head_cut
 
 
 class PluginTokenizer:
@@ -22,7 +23,9 @@ class PluginTokenizer:
     results are cached by text prefix (bounded in bytes); with ``render_chat(messages,
     add_generation_prompt)`` too, chat requests are rendered and take the same cache (``encode_chat`` must
     then be ``encode(render_chat(...))``). A text that does not extend a cached one whole (an edit in the
-    middle, a truncation) is encoded from scratch."""
+    middle, a truncation) is encoded from scratch. And with ``stable_count(prefix, prefix_count) -> int`` (how
+    many of a prefix's ids every text extending it keeps), a long text the cache covers little of is handed
+    out as its head first (:mod:`~kvroute.router.prompt_head`)."""
 
     PREFIX = "python:"
 
@@ -43,6 +46,7 @@ class PluginTokenizer:
         self._encode = getattr(self.impl, "encode_ids", None) or self.impl.encode
         self._extend = getattr(self.impl, "extend", None)
         self._render = getattr(self.impl, "render_chat", None) if self._extend is not None else None
+        self._stable = getattr(self.impl, "stable_count", None) if self._extend is not None else None
         #: Cached ids are handed out as they are (callers treat token lists as read-only).
         self._cache: PrefixIndex[str, TokenIds] = PrefixIndex(
             cache_bytes if self._extend is not None else 0, unit=1, first=64, step=16384
@@ -89,6 +93,41 @@ class PluginTokenizer:
         if not isinstance(prompt, str):
             raise TokenizeError("prompt must be a string")
         return self.encode(prompt)
+
+    async def prompt_head(self, prompt: str) -> PromptHead | Sequence[int]:
+        """A completion prompt's head when the cache covers little of it, else its tokens."""
+        if not isinstance(prompt, str):
+            raise TokenizeError("prompt must be a string")
+        return self._head_or_whole(prompt)
+
+    async def chat_prompt_head(self, prompt: ChatPrompt) -> PromptHead | Sequence[int]:
+        """:meth:`prompt_head` for a chat request rendered here (else its tokens, :meth:`chat_prompt_tokens`)."""
+        if self._render is None:
+            return await self.chat_prompt_tokens(prompt)
+        messages = conversation(prompt.messages, "string")
+        try:
+            text = self._render(messages, prompt.add_generation_prompt)
+        except (ValueError, TypeError) as exc:
+            raise TokenizeError(f"chat template: {exc}") from None
+        return self._head_or_whole(text)
+
+    def _head_or_whole(self, text: str) -> PromptHead | Sequence[int]:
+        cache, stable = self._cache, self._stable
+        if stable is not None and cache.max_bytes > 0:
+            probe = cache.probe(text)
+            if cache.get(text, probe) is None:
+                found = cache.longest(text, probe)
+                cut = head_cut(text, found[2] if found is not None else 0)
+                if cut is not None:
+                    head = text[:cut]
+                    ids = self.encode(head)
+                    keep = stable(head, len(ids))
+                    self.counters["heads"] += 1
+                    return PromptHead(ids[:keep], estimated_tokens(len(text), keep, cut), lambda: self._whole(text))
+        return self.encode(text)
+
+    async def _whole(self, text: str) -> Sequence[int]:
+        return self.encode(text)
 
     @property
     def merges_inline_system(self) -> bool | None:

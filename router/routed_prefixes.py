@@ -117,6 +117,10 @@ class RoutedPrefixes:
         while len(self._notes) > self.max_notes:
             self._drop(*self._notes.popitem(last=False))
 
+    def noted(self, request_id: str) -> bool:
+        """Whether ``request_id``'s note is live (its request has not answered, failed nor expired)."""
+        return request_id in self._notes
+
     def forget(self, request_id: str) -> None:
         """The request failed or was sent elsewhere: its prefix will not be computed there."""
         note = self._notes.pop(request_id, None)

@@ -19,7 +19,7 @@ import asyncio
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol, overload
 
 import httpx
 import orjson
@@ -34,6 +34,7 @@ from kvroute.router.chat_template import ChatTemplate
 from kvroute.router.errors import ApiError
 from kvroute.router.local_tokens import LocalTokenizer
 from kvroute.router.plugin_tokens import PluginTokenizer
+from kvroute.router.prompt_head import PromptHead
 from kvroute.router.render_tokens import RenderTokenizer
 from kvroute.router.surfaces import CHAT, COMPLETIONS, SurfacePrompt, merged_prompt, read_prompt
 
@@ -42,6 +43,7 @@ __all__ = [
     "ChatTemplate",
     "LocalTokenizer",
     "PluginTokenizer",
+    "PromptHead",
     "RemoteTokenizer",
     "RenderTokenizer",
     "TokenSource",
@@ -284,13 +286,38 @@ class Tokenizers:
                 out[model] = stats()
         return out
 
+    @overload
     async def tokens_for_request(
-        self, model: str, route: str, body: Mapping[str, Any], prompt: SurfacePrompt | None = None
-    ) -> Sequence[int]:
+        self,
+        model: str,
+        route: str,
+        body: Mapping[str, Any],
+        prompt: SurfacePrompt | None = None,
+        *,
+        head: Literal[False] = False,
+    ) -> Sequence[int]: ...
+
+    @overload
+    async def tokens_for_request(
+        self, model: str, route: str, body: Mapping[str, Any], prompt: SurfacePrompt | None = None, *, head: bool
+    ) -> Sequence[int] | PromptHead: ...
+
+    async def tokens_for_request(
+        self,
+        model: str,
+        route: str,
+        body: Mapping[str, Any],
+        prompt: SurfacePrompt | None = None,
+        *,
+        head: bool = False,
+    ) -> Sequence[int] | PromptHead:
         """The prompt tokens of a generation request on ``route`` (its body, as forwarded, and what
-        :func:`~kvroute.router.surfaces.read_prompt` read from it). Raises :class:`TokenizeError` (an
+        :func:`~kvroute.router.surfaces.read_prompt` read from it); with ``head``, a long prompt the source's
+        cache covers little of may come as its :class:`PromptHead`. Raises :class:`TokenizeError` (an
         :class:`Unrenderable` when this source cannot be exact)."""
         src = self.source(model)
+        # The sources that can hand out a long new prompt's head first (their prefix caches know what is new).
+        heads = src if head and isinstance(src, (LocalTokenizer, PluginTokenizer)) else None
         prompt_field = body.get("prompt")
         if route == COMPLETIONS and isinstance(prompt_field, list) and all(type(t) is int for t in prompt_field):
             return list(prompt_field)  # already token ids
@@ -302,6 +329,8 @@ class Tokenizers:
         if prompt.chat is None:
             if not isinstance(prompt_field, str):
                 raise TokenizeError("request needs 'messages' or a string 'prompt'")
+            if heads is not None:
+                return await heads.prompt_head(prompt_field)
             return await src.prompt_tokens(prompt_field)
         chat = prompt.chat
         if prompt.inline_system:
@@ -310,6 +339,8 @@ class Tokenizers:
                 raise Unrenderable("inline_system", "where inline system messages go depends on the worker's template")
             if merges:
                 chat = merged_prompt(body)
+        if heads is not None:
+            return await heads.chat_prompt_head(chat)
         return await src.chat_prompt_tokens(chat)
 
     async def tokens_for_body(self, model: str, body: Mapping[str, Any]) -> Sequence[int]:

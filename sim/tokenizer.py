@@ -172,6 +172,11 @@ class BuiltinTokenizer:
     def extend(self, prefix: str, prefix_count: int, text: str) -> tuple[int, array[int]] | None:
         return extend_ids(prefix, prefix_count, text)
 
+    def stable_count(self, prefix: str, prefix_count: int) -> int:
+        """How many of ``prefix``'s ``prefix_count`` ids every text extending it keeps: all but the last
+        piece, unless the prefix ends with whitespace (what follows may continue that piece)."""
+        return prefix_count if not prefix or prefix[-1].isspace() else max(0, prefix_count - 1)
+
     def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
         return render_chat(messages, add_generation_prompt)
 

@@ -207,7 +207,13 @@ def build_state(
     forwarder = Forwarder(transport, registry, metrics, first_byte_timeout_s=c.first_byte_timeout_s)
     routed = RoutedPrefixes(c.routed_prefix_ttl_s) if c.routed_prefix_ttl_s > 0 else None
     facts = FactGatherer(
-        registry, kv_metrics, tokenizers=tokenizers, indexer=indexer, conversations=conversations, routed=routed
+        registry,
+        kv_metrics,
+        tokenizers=tokenizers,
+        indexer=indexer,
+        conversations=conversations,
+        routed=routed,
+        heads=c.prompt_heads,
     )
     receipts = Receipts(c.receipts, c.receipts_path) if c.receipts or c.receipts_path else None
     flow = RequestFlow(
