@@ -49,8 +49,8 @@ class Facts:
     ranks: dict[str, int] = field(default_factory=dict)
     #: The LoRA adapter the request names (looked up under its base model with the adapter's key).
     lora: str | None = None
-    #: A prompt decided on its head: encodes the rest once the request is routed to the worker given.
-    finish_head: Callable[[str], None] | None = None
+    #: A prompt decided on its head: encodes the rest once the request is routed.
+    finish_head: Callable[[], None] | None = None
 
 
 def fold_ranks(
@@ -205,9 +205,9 @@ class FactGatherer:
             self._add_routed(route, result.keys)
         return result.keys
 
-    def _finish_head(self, request: ParsedRequest, facts: Facts, model: str, head: PromptHead, worker_id: str) -> None:
-        """The rest of a prompt decided on its head, encoded once the request has gone to ``worker_id`` (the
-        next turn's prefix cache), the head checked against it, and the prompt's routed note made whole."""
+    def _finish_head(self, request: ParsedRequest, facts: Facts, model: str, head: PromptHead) -> None:
+        """The rest of a prompt decided on its head, encoded once the request is routed (the next turn's prefix
+        cache), the head checked against it, and the request's routed note made whole (wherever it went)."""
 
         async def finish() -> None:
             try:
@@ -225,12 +225,9 @@ class FactGatherer:
                     request.request_id,
                 )
                 return
-            route = facts.route
             facts.keys = self._keys(request, facts, model, tokens)
-            if self.routed is not None and facts.keys and self.routed.noted(route.request_id):
-                match = route.matches.get(worker_id)
-                ready = match.blocks - match.pending if match is not None else 0
-                self.routed.note(route.request_id, route.model, worker_id, facts.keys, ready)
+            if self.routed is not None and facts.keys:
+                self.routed.grow(facts.route.request_id, facts.keys)
 
         task = asyncio.get_running_loop().create_task(finish())
         self._finishing.add(task)
@@ -264,7 +261,7 @@ class FactGatherer:
             self.routed.note(facts.route.request_id, facts.route.model, worker_id, facts.keys, ready)
         finish, facts.finish_head = facts.finish_head, None
         if finish is not None:
-            finish(worker_id)
+            finish()
 
     def settled(self, facts: Facts) -> None:
         """The request's first bytes came back (its prefill ran, so the engine has published its blocks'

@@ -117,9 +117,12 @@ class RoutedPrefixes:
         while len(self._notes) > self.max_notes:
             self._drop(*self._notes.popitem(last=False))
 
-    def noted(self, request_id: str) -> bool:
-        """Whether ``request_id``'s note is live (its request has not answered, failed nor expired)."""
-        return request_id in self._notes
+    def grow(self, request_id: str, keys: Sequence[int]) -> None:
+        """``request_id``'s prompt is ``keys`` (its note was made from the first of them): a live note covers
+        them all now, on the same worker, with the same blocks ready there."""
+        note = self._notes.get(request_id)
+        if note is not None:
+            self.note(request_id, *note.pair, keys, note.ready)
 
     def forget(self, request_id: str) -> None:
         """The request failed or was sent elsewhere: its prefix will not be computed there."""

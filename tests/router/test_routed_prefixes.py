@@ -48,6 +48,20 @@ def test_what_a_routed_request_is_computing_is_not_ready_until_it_answers() -> N
     assert routed.held_ready("m", keys)["w2"] == (6, 0)
 
 
+def test_a_note_made_from_a_prompts_head_grows_to_the_whole_prompt() -> None:
+    """A prompt decided on its head (router/prompt_head.py) is noted with the head's keys; once the rest is
+    encoded, its note covers the whole prompt, on the worker it went to, unless it answered meanwhile."""
+    routed = RoutedPrefixes(ttl_s=5, stride=16, now=Clock())
+    keys = chain(100)
+    routed.note("r1", "m", "w1", keys[:10], ready=3)
+    assert routed.held_ready("m", keys) == {}  # a head shorter than a stride: no checkpoint in common
+    routed.grow("r1", keys)
+    assert routed.held_ready("m", keys) == {"w1": (100, 0)}  # ready=3 rounds down to no checkpoint
+    routed.forget("r1")
+    routed.grow("r1", keys)  # answered before its rest was encoded: nothing to grow
+    assert routed.held("m", keys) == {} and len(routed) == 0
+
+
 def test_notes_expire_and_failed_requests_are_forgotten() -> None:
     clock = Clock()
     routed = RoutedPrefixes(ttl_s=5, stride=8, now=clock)
