@@ -10,7 +10,8 @@ One simulated fleet (``kvroute sim``, 2 workers, time scale 0.001) and ``kvroute
 started through this script (``--serve``), which wraps the request path's stages with timestamps before
 handing over to the CLI: body read, parse, the decision (tokens, lookup, the policy's choice), the write
 to the worker, the worker's headers and first body bytes, the way back to the client (response object,
-head write, first chunk), and the report after the answer. The load is ``bench/peers_overhead.py``'s:
+head write, first chunk), and the report after the answer; and, apart, how long each KV event message and
+each burst's index write held the event loop. The load is ``bench/peers_overhead.py``'s:
 ``--prefix-tokens 0`` for its small completions, ``--cached`` for one prompt sent again and again, ``--fresh``
 for a new prompt every time, else its
 growing agent chats (TTFT). Each round also measures the workers directly, so the router's added p50 is
@@ -61,8 +62,9 @@ STAGES = [
 def serve_instrumented(out: str, argv: list[str]) -> int:
     """``kvroute <argv>`` with the stages timestamped; SIGUSR1 writes the marks to ``out`` (JSON)."""
     marks: list[tuple[str, float]] = []
+    spans: list[tuple[str, float]] = []
     now = time.perf_counter
-    signal.signal(signal.SIGUSR1, lambda *_: Path(out).write_bytes(orjson.dumps(marks)))
+    signal.signal(signal.SIGUSR1, lambda *_: Path(out).write_bytes(orjson.dumps({"marks": marks, "spans": spans})))
 
     import kvroute.router.app as app
     import kvroute.router.flow as flow
@@ -113,6 +115,24 @@ def serve_instrumented(out: str, argv: list[str]) -> int:
     around(tokens.Tokenizers, "tokens_for_request", "tokens", True)
     around(KVIndexer, "lookup_tokens", "lookup", True)
     around(forwarding.Forwarder, "_first_bytes", "first", True)
+    from kvroute.indexer.mirror import BackendMirror
+    from kvroute.indexer.replays import Replays
+
+    def span(owner: Any, name: str, tag: str) -> None:
+        """Each call's duration, apart from the requests' marks: the loop's work between them."""
+        inner = getattr(owner, name)
+
+        async def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = now()
+            try:
+                return await inner(*args, **kwargs)
+            finally:
+                spans.append((tag, (now() - t0) * 1e6))
+
+        setattr(owner, name, functools.wraps(inner)(timed))
+
+    span(Replays, "handle", "KV events: one message decoded and translated")
+    span(BackendMirror, "flush", "KV events: a burst's ops applied to the index")
     around(native_http.NativeTransport, "request", "upstream", True)
     handle = flow.RequestFlow.handle
 
@@ -238,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             proc.terminate()
             proc.wait(30)
-    marks = orjson.loads(out.read_bytes())
+    dump = orjson.loads(out.read_bytes())
+    marks = dump["marks"]
     print(
         f"\n{scenario.name}, policy {args.policy}: added p50 over direct {statistics.median(added):+.2f} ms "
         f"(median of {args.rounds} rounds); stages (µs):\n"
@@ -246,6 +267,15 @@ def main(argv: list[str] | None = None) -> int:
     print("| stage | p50 µs | mean µs | requests |\n|---|---:|---:|---:|")
     for name, p50, mean, n in stage_table(marks, warm):
         print(f"| {name} | {p50:.1f} | {mean:.1f} | {n} |")
+    print("\nThe loop's other work meanwhile, each call holding it (µs):\n")
+    print("| work | calls | p50 µs | p99 µs | longest µs |\n|---|---:|---:|---:|---:|")
+    by_tag: dict[str, list[float]] = {}
+    for tag, us in dump["spans"]:
+        by_tag.setdefault(tag, []).append(us)
+    for tag, values in by_tag.items():
+        values.sort()
+        p99 = values[min(len(values) - 1, int(0.99 * len(values)))]
+        print(f"| {tag} | {len(values)} | {statistics.median(values):.1f} | {p99:.1f} | {values[-1]:.1f} |")
     return 0
 
 
