@@ -110,3 +110,25 @@ def test_a_plugin_that_cannot_say_which_ids_stay_gives_no_head() -> None:
     tok._stable = None
     text = "word " * 200
     assert not check(asyncio.run(tok.prompt_head(text)), tokenize(text))
+
+
+def test_a_long_new_tool_output_in_a_cached_chat_comes_as_a_head_past_the_cached_turns(model_folder: Path) -> None:
+    """An agent step appending a long tool output to a conversation the cache holds: the head is the cached
+    turns' tokens plus the output's first characters, and the rest follows."""
+    tok = LocalTokenizer(model_folder)
+    assert tok.template is not None
+    messages = [
+        {"role": "system", "content": "You are a helpful assistant. " * 10},
+        {"role": "user", "content": "Read it."},
+    ]
+    first = asyncio.run(tok.chat_prompt_head(ChatPrompt(messages=messages)))
+    assert not isinstance(first, PromptHead)  # short: encoded whole, and cached
+    messages += [
+        {"role": "assistant", "content": "Reading the file."},
+        {"role": "user", "content": "def tokenize(text): return text.split()\n" * 40},
+    ]
+    rendered = tok.template.render(messages, add_generation_prompt=True)
+    whole = tok.tokenizer.encode(rendered, add_special_tokens=False).ids
+    got = asyncio.run(tok.chat_prompt_head(ChatPrompt(messages=messages)))
+    assert check(got, whole)
+    assert isinstance(got, PromptHead) and len(first) < len(got.tokens) < len(whole)
