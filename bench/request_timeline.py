@@ -113,6 +113,7 @@ def serve_instrumented(out: str, argv: list[str]) -> int:
     around(flow.RequestFlow, "decide", "decide", True)
     around(flow.RequestFlow, "report", "report", False)
     around(tokens.Tokenizers, "tokens_for_request", "tokens", True)
+    around(tokens.Tokenizers, "head_for_request", "tokens", True)  # a long new prompt's head, or its tokens
     around(KVIndexer, "lookup_tokens", "lookup", True)
     around(forwarding.Forwarder, "_first_bytes", "first", True)
     from kvroute.indexer.mirror import BackendMirror

@@ -147,9 +147,8 @@ class FactGatherer:
         if prompt is not None and prompt.load_only:
             self.metrics.unrendered.labels(prompt.surface, prompt.load_only).inc()
             return None
-        got = await self._tokens(
-            request, model, self.tokenizers.tokens_for_request(model, request.route, request.json, prompt, head=heads)
-        )
+        tokenize = self.tokenizers.head_for_request if heads else self.tokenizers.tokens_for_request
+        got = await self._tokens(request, model, tokenize(model, request.route, request.json, prompt))
         if isinstance(got, PromptHead):
             keys = await self._find(request, facts, model, got.tokens)
             block = route.block_size

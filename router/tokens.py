@@ -19,7 +19,7 @@ import asyncio
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Literal, Protocol, overload
+from typing import Any, Protocol
 
 import httpx
 import orjson
@@ -286,35 +286,26 @@ class Tokenizers:
                 out[model] = stats()
         return out
 
-    @overload
     async def tokens_for_request(
-        self,
-        model: str,
-        route: str,
-        body: Mapping[str, Any],
-        prompt: SurfacePrompt | None = None,
-        *,
-        head: Literal[False] = False,
-    ) -> Sequence[int]: ...
-
-    @overload
-    async def tokens_for_request(
-        self, model: str, route: str, body: Mapping[str, Any], prompt: SurfacePrompt | None = None, *, head: bool
-    ) -> Sequence[int] | PromptHead: ...
-
-    async def tokens_for_request(
-        self,
-        model: str,
-        route: str,
-        body: Mapping[str, Any],
-        prompt: SurfacePrompt | None = None,
-        *,
-        head: bool = False,
-    ) -> Sequence[int] | PromptHead:
+        self, model: str, route: str, body: Mapping[str, Any], prompt: SurfacePrompt | None = None
+    ) -> Sequence[int]:
         """The prompt tokens of a generation request on ``route`` (its body, as forwarded, and what
-        :func:`~kvroute.router.surfaces.read_prompt` read from it); with ``head``, a long prompt the source's
-        cache covers little of may come as its :class:`PromptHead`. Raises :class:`TokenizeError` (an
+        :func:`~kvroute.router.surfaces.read_prompt` read from it). Raises :class:`TokenizeError` (an
         :class:`Unrenderable` when this source cannot be exact)."""
+        tokens = await self._for_request(model, route, body, prompt, head=False)
+        assert not isinstance(tokens, PromptHead)
+        return tokens
+
+    async def head_for_request(
+        self, model: str, route: str, body: Mapping[str, Any], prompt: SurfacePrompt | None = None
+    ) -> Sequence[int] | PromptHead:
+        """:meth:`tokens_for_request`, except that a long prompt the source's cache covers little of may come
+        as its :class:`PromptHead` (:mod:`~kvroute.router.prompt_head`)."""
+        return await self._for_request(model, route, body, prompt, head=True)
+
+    async def _for_request(
+        self, model: str, route: str, body: Mapping[str, Any], prompt: SurfacePrompt | None, head: bool
+    ) -> Sequence[int] | PromptHead:
         src = self.source(model)
         # The sources that can hand out a long new prompt's head first (their prefix caches know what is new).
         heads = src if head and isinstance(src, (LocalTokenizer, PluginTokenizer)) else None
