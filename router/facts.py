@@ -73,6 +73,12 @@ def fold_ranks(
     return folded, ranks
 
 
+def _salt(request: ParsedRequest) -> str | None:
+    """The request's ``cache_salt`` (vLLM keys its blocks with it), when it is a string."""
+    salt = request.json.get("cache_salt") if request.json is not None else None
+    return salt if isinstance(salt, str) else None
+
+
 def _holds_whole(matches: dict[str, WorkerMatch], head_blocks: int) -> bool:
     """Whether some worker holds (or was just sent) all ``head_blocks`` blocks of a prompt's head."""
     return head_blocks <= 0 or any(m.blocks >= head_blocks for m in matches.values())
@@ -186,13 +192,10 @@ class FactGatherer:
 
     async def _find(self, request: ParsedRequest, facts: Facts, model: str, tokens: Sequence[int]) -> list[int] | None:
         """``tokens`` looked up: the route's matches (ranks folded, routed prefixes added) and block keys."""
-        assert self.indexer is not None and request.json is not None
+        assert self.indexer is not None
         route = facts.route
-        salt = request.json.get("cache_salt")
         try:
-            result = await self.indexer.lookup_tokens(
-                model, tokens, lora_name=facts.lora, cache_salt=salt if isinstance(salt, str) else None
-            )
+            result = await self.indexer.lookup_tokens(model, tokens, lora_name=facts.lora, cache_salt=_salt(request))
         except IndexUnavailable:
             self.metrics.fallbacks.labels("index_unavailable").inc()
             return None
@@ -211,8 +214,8 @@ class FactGatherer:
         async def finish() -> None:
             try:
                 tokens = await head.rest()
-            except TokenizeError as exc:
-                limited.warning(f"tokenizer:{model}", "request %s: its rest: %s", request.request_id, exc)
+            except Exception as exc:  # off the request's path: its answer is not at stake, only the cache's
+                limited.warning(f"tokenizer:{model}", "request %s: its rest: %r", request.request_id, exc)
                 return
             n = len(head.tokens)
             if list(tokens[:n]) != list(head.tokens):
@@ -233,9 +236,8 @@ class FactGatherer:
         task.add_done_callback(self._finishing.discard)
 
     def _keys(self, request: ParsedRequest, facts: Facts, model: str, tokens: Sequence[int]) -> list[int]:
-        assert self.indexer is not None and request.json is not None
-        salt = request.json.get("cache_salt")
-        return self.indexer.request_keys(model, tokens, facts.lora, salt if isinstance(salt, str) else None)[1]
+        assert self.indexer is not None
+        return self.indexer.request_keys(model, tokens, facts.lora, _salt(request))[1]
 
     def _add_routed(self, route: RouteRequest, keys: list[int]) -> None:
         """A worker the prefix was just sent to holds it as soon as that request's prefill runs: beyond what
