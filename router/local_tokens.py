@@ -51,7 +51,7 @@ from typing import Any, TypeVar, cast
 from kvroute.indexer.keys import KeyMemo, PrefixIndex, TokenIds, memo_budget
 from kvroute.router.chat_prompt import ChatPrompt, TokenizeError, Unrenderable, prompt_of_fields
 from kvroute.router.chat_template import ChatTemplate, load_chat_templates
-from kvroute.router.prompt_head import PromptHead, estimated_tokens, head_cut
+from kvroute.router.prompt_head import PromptHead, estimated_tokens, uncached_head_cut
 
 
 def _token_text(value: Any) -> str:
@@ -393,14 +393,7 @@ class LocalTokenizer:
     def _head(self, text: str) -> Steps[tuple[array[int], int] | None]:
         """The ids of ``text``'s head that no continuation changes and the characters they cover
         (:mod:`~kvroute.router.prompt_head`); None when the cache holds all but a little of the text."""
-        cache = self._cache
-        if cache.max_bytes <= 0:
-            return None
-        probe = cache.probe(text)
-        if cache.get(text, probe) is not None:
-            return None
-        found = cache.longest(text, probe)
-        cut = head_cut(text, found[2] if found is not None else 0)
+        cut = uncached_head_cut(self._cache, text)
         if cut is None:
             return None
         entry = yield from self._entry(text[:cut])

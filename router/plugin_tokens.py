@@ -9,7 +9,7 @@ from typing import Any
 from kvroute.indexer.keys import PrefixIndex, TokenIds, memo_budget
 from kvroute.router.chat_prompt import ChatPrompt, TokenizeError, conversation
 from kvroute.router.local_tokens import DEFAULT_CACHE_BYTES, counters
-from kvroute.router.prompt_head import PromptHead, estimated_tokens, head_cut
+from kvroute.router.prompt_head import PromptHead, estimated_tokens, uncached_head_cut
 
 
 class PluginTokenizer:
@@ -105,26 +105,27 @@ class PluginTokenizer:
         if self._render is None:
             return await self.chat_prompt_tokens(prompt)
         messages = conversation(prompt.messages, "string")
-        try:
-            text = self._render(messages, prompt.add_generation_prompt)
-        except (ValueError, TypeError) as exc:
-            raise TokenizeError(f"chat template: {exc}") from None
-        return self._head_or_whole(text)
+        return self._head_or_whole(self._rendered(messages, prompt.add_generation_prompt))
 
     def _head_or_whole(self, text: str) -> PromptHead | Sequence[int]:
-        cache, stable = self._cache, self._stable
-        if stable is not None and cache.max_bytes > 0:
-            probe = cache.probe(text)
-            if cache.get(text, probe) is None:
-                found = cache.longest(text, probe)
-                cut = head_cut(text, found[2] if found is not None else 0)
-                if cut is not None:
-                    head = text[:cut]
-                    ids = self.encode(head)
-                    keep = stable(head, len(ids))
-                    self.counters["heads"] += 1
-                    return PromptHead(ids[:keep], estimated_tokens(len(text), keep, cut), lambda: self._whole(text))
-        return self.encode(text)
+        stable = self._stable
+        cut = uncached_head_cut(self._cache, text) if stable is not None else None
+        if stable is None or cut is None:
+            return self.encode(text)
+        head = text[:cut]
+        ids = self.encode(head)
+        keep = stable(head, len(ids))
+        self.counters["heads"] += 1
+        return PromptHead(ids[:keep], estimated_tokens(len(text), keep, cut), lambda: self._whole(text))
+
+    def _rendered(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool) -> str:
+        """The object's own render of a chat (only called when it has ``render_chat``)."""
+        assert self._render is not None
+        try:
+            text: str = self._render(messages, add_generation_prompt)
+        except (ValueError, TypeError) as exc:
+            raise TokenizeError(f"chat template: {exc}") from None
+        return text
 
     async def _whole(self, text: str) -> Sequence[int]:
         return self.encode(text)
@@ -148,9 +149,9 @@ class PluginTokenizer:
         tools: Sequence[Mapping[str, Any]] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> Sequence[int]:
+        if self._render is not None:
+            return self.encode(self._rendered(messages, add_generation_prompt))
         try:
-            if self._render is not None:
-                return self.encode(self._render(messages, add_generation_prompt))
             return list(self.impl.encode_chat(messages, add_generation_prompt=add_generation_prompt))
         except (ValueError, TypeError) as exc:
             raise TokenizeError(f"chat template: {exc}") from None

@@ -20,6 +20,9 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+from kvroute.indexer.keys import PrefixIndex
 
 #: Characters of a head past the longest cached prefix (~500 tokens of a real model's tokenizer: 30 blocks of 16).
 HEAD_CHARS = 2048
@@ -52,6 +55,18 @@ def head_cut(text: str, shared: int) -> int | None:
             return None
         if not text[cut - 1].isspace():
             return cut
+
+
+def uncached_head_cut(cache: PrefixIndex[str, Any], text: str) -> int | None:
+    """:func:`head_cut` of ``text`` past the longest text a tokenizer's prefix ``cache`` holds; None when the
+    cache is off, holds ``text`` itself, or holds all but a little of it (then the whole is encoded at once)."""
+    if cache.max_bytes <= 0:
+        return None
+    probe = cache.probe(text)
+    if cache.get(text, probe) is not None:
+        return None
+    found = cache.longest(text, probe)
+    return head_cut(text, found[2] if found is not None else 0)
 
 
 def estimated_tokens(total_chars: int, head_tokens: int, head_chars: int) -> int:
