@@ -109,8 +109,7 @@ class PluginTokenizer:
 
     def _head_or_whole(self, text: str) -> PromptHead | Sequence[int]:
         stable = self._stable
-        cut = uncached_head_cut(self._cache, text) if stable is not None else None
-        if stable is None or cut is None:
+        if stable is None or (cut := uncached_head_cut(self._cache, text)) is None:
             return self.encode(text)
         head = text[:cut]
         ids = self.encode(head)
